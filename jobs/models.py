@@ -1,0 +1,81 @@
+"""The job: what to call, with what, and when."""
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import models
+
+from jobs.public_ids import format_id
+
+
+class ServiceAccount(models.Model):
+    """A service that owns jobs. Its user has no usable password: it cannot log in."""
+
+    user = models.OneToOneField(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="service")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return self.user.username
+
+
+class Job(models.Model):
+    class Misfire(models.TextChoices):
+        RUN_ONCE = "run_once"
+        SKIP = "skip"
+        RUN_ALL = "run_all"
+
+    class Backoff(models.TextChoices):
+        EXPONENTIAL = "exponential"
+        LINEAR = "linear"
+        FIXED = "fixed"
+
+    class State(models.TextChoices):
+        ACTIVE = "active"
+        PAUSED = "paused"
+        COMPLETED = "completed"
+        DELETED = "deleted"
+
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="jobs")
+    name = models.CharField(max_length=200, blank=True)
+    # Exactly one of: a 5-field cron `schedule`, or a one-off `run_at` (from `at` or `delay`).
+    schedule = models.CharField(max_length=200, blank=True)
+    run_at = models.DateTimeField(null=True, blank=True)
+    timezone = models.CharField(max_length=64, default="UTC")
+    target = models.URLField(max_length=2000)
+    method = models.CharField(max_length=10, default="POST")
+    headers = models.JSONField(default=dict, blank=True)  # the non-secret ones, in clear
+    secret_headers = models.TextField(blank=True)  # encrypted JSON (jobs.secrets)
+    secret_header_names = models.JSONField(default=list, blank=True)  # names marked secret by the caller
+    payload = models.JSONField(null=True, blank=True)
+    window_seconds = models.PositiveIntegerField(default=0)
+    misfire = models.CharField(max_length=16, choices=Misfire.choices, default=Misfire.RUN_ONCE)
+    retry_max = models.PositiveSmallIntegerField(default=3)
+    retry_backoff = models.CharField(max_length=16, choices=Backoff.choices, default=Backoff.EXPONENTIAL)
+    retry_base_seconds = models.PositiveIntegerField(default=10)
+    retry_cap_seconds = models.PositiveIntegerField(default=3600)
+    timeout_seconds = models.PositiveIntegerField(default=30)
+    notify = models.EmailField(blank=True)
+    paused = models.BooleanField(default=False)
+    state = models.CharField(max_length=16, choices=State.choices, default=State.ACTIVE)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+    deleted_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        db_table = "jobs"
+        indexes = [models.Index(fields=["owner", "-id"], name="jobs_owner_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.public_id} {self.name}".strip()
+
+    @property
+    def public_id(self) -> str:
+        return format_id("job", self.pk)
+
+    @property
+    def is_recurring(self) -> bool:
+        return bool(self.schedule)
+
+    @property
+    def partition(self) -> int:
+        # Every run of a job lives in the job's partition; fixed per deployment.
+        return self.pk % settings.SCHEDULER_PARTITIONS

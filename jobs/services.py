@@ -1,0 +1,208 @@
+"""Writes on jobs. Keyword-only, typed; views, admin and commands call these."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from jobs import schedule
+from jobs.models import Job
+from jobs.secrets import encrypt_headers, split_headers
+from runs import events
+from runs.models import Run
+from runs.services import is_held, run_create
+
+S = Run.Status
+# Fields whose change replaces the waiting run.
+TIMING_FIELDS = frozenset({"schedule", "timezone", "run_at", "window_seconds"})
+
+
+class BackfillError(ValueError):
+    pass
+
+
+def first_run_time(job: Job, now: datetime) -> datetime:
+    if job.is_recurring:
+        return schedule.next_cron_time(job.schedule, job.timezone, now)
+    assert job.run_at is not None
+    return job.run_at
+
+
+def _apply_headers(job: Job, headers: dict[str, str] | None, secret_names: list[str] | None) -> None:
+    if secret_names is not None:
+        job.secret_header_names = list(secret_names)
+    if headers is not None:
+        plain, secret = split_headers(headers, job.secret_header_names)
+        job.headers = plain
+        job.secret_headers = encrypt_headers(secret)
+
+
+@transaction.atomic
+def job_create(*, owner: Any, fields: dict[str, Any], now: datetime | None = None) -> Job:
+    """The job and its first run, in one transaction."""
+    now = now or timezone.now()
+    fields = dict(fields)
+    headers = fields.pop("headers", None)
+    secret_names = fields.pop("secret_headers", None)
+    job = Job(owner=owner, **fields)
+    _apply_headers(job, headers or {}, secret_names or [])
+    job.state = Job.State.PAUSED if job.paused else Job.State.ACTIVE
+    job.save()
+    run_create(job=job, scheduled_for=first_run_time(job, now), now=now)
+    return job
+
+
+def open_run(job: Job, *, lock: bool = False) -> Run | None:
+    query = Run.objects.filter(job=job, status__in=Run.OPEN, is_backfill=False)
+    if lock:
+        query = query.select_for_update()
+    return query.first()
+
+
+@transaction.atomic
+def job_update(*, job: Job, fields: dict[str, Any], now: datetime | None = None) -> Job:
+    """PATCH: change fields; a changed schedule, zone, time or window replaces the waiting run;
+    `paused` pauses or resumes."""
+    now = now or timezone.now()
+    fields = dict(fields)
+    job = Job.objects.select_for_update().get(pk=job.pk)
+    if job.state == Job.State.DELETED:
+        raise ValueError("the job is deleted")
+    paused = fields.pop("paused", None)
+    _apply_headers(job, fields.pop("headers", None), fields.pop("secret_headers", None))
+    timing_changed = any(k in TIMING_FIELDS and getattr(job, k) != v for k, v in fields.items())
+    if "schedule" in fields and fields["schedule"]:
+        fields.setdefault("run_at", None)
+    if "run_at" in fields and fields["run_at"] is not None:
+        fields.setdefault("schedule", "")
+    for key, value in fields.items():
+        setattr(job, key, value)
+    job.save()
+    if timing_changed and job.state != Job.State.COMPLETED:
+        _replace_waiting_run(job, now)
+    if timing_changed and job.state == Job.State.COMPLETED and job.is_recurring:
+        job.state = Job.State.PAUSED if job.paused else Job.State.ACTIVE
+        job.save(update_fields=["state", "updated_at"])
+        if open_run(job) is None:
+            run_create(job=job, scheduled_for=first_run_time(job, now), now=now)
+    if paused is True and not job.paused:
+        job_pause(job=job, now=now)
+    elif paused is False and job.paused:
+        job_resume(job=job, now=now)
+    job.refresh_from_db()
+    return job
+
+
+def _replace_waiting_run(job: Job, now: datetime) -> None:
+    waiting = open_run(job, lock=True)
+    if waiting is not None and (waiting.status != S.SCHEDULED or waiting.attempt > 0):
+        return  # on its way or retrying: the new timing applies from the next run on
+    if waiting is not None:
+        Run.objects.filter(pk=waiting.pk).update(status=S.CANCELLED, finished_at=now)
+        events.record(waiting.pk, "cancelled", now, reason="the job's timing changed")
+    run_create(job=job, scheduled_for=first_run_time(job, now), now=now, reason="the job's timing changed")
+
+
+@transaction.atomic
+def job_pause(*, job: Job, now: datetime | None = None) -> Job:
+    """Its open run does not start while paused (a run already running finishes)."""
+    now = now or timezone.now()
+    Job.objects.filter(pk=job.pk).update(paused=True, state=Job.State.PAUSED, updated_at=now)
+    waiting = open_run(job, lock=True)
+    if waiting is not None and waiting.status in (S.SCHEDULED, S.QUEUED):
+        # A queued message then finds nothing to claim.
+        Run.objects.filter(pk=waiting.pk).update(held=True, status=S.SCHEDULED, queued_at=None)
+        events.record(waiting.pk, "held", now, reason="job paused")
+    job.refresh_from_db()
+    return job
+
+
+@transaction.atomic
+def job_resume(*, job: Job, now: datetime | None = None) -> Job:
+    """The waiting run is released; the scanner applies the misfire policy if it is late."""
+    now = now or timezone.now()
+    Job.objects.filter(pk=job.pk).update(paused=False, state=Job.State.ACTIVE, updated_at=now)
+    job.refresh_from_db()
+    waiting = open_run(job, lock=True)
+    if waiting is not None and waiting.held and not is_held(job):
+        Run.objects.filter(pk=waiting.pk).update(held=False)
+        events.record(waiting.pk, "released", now, reason="job resumed")
+    return job
+
+
+@transaction.atomic
+def job_delete(*, job: Job, now: datetime | None = None) -> None:
+    """Ends the job: its waiting run is cancelled; history stays readable.
+    A run already running finishes, and no next run follows it."""
+    now = now or timezone.now()
+    Job.objects.filter(pk=job.pk).update(state=Job.State.DELETED, deleted_at=now, updated_at=now)
+    for run in Run.objects.select_for_update().filter(job=job, status__in=(S.SCHEDULED, S.QUEUED)):
+        Run.objects.filter(pk=run.pk).update(status=S.CANCELLED, finished_at=now, queued_at=None)
+        events.record(run.pk, "cancelled", now, reason="job deleted")
+
+
+@dataclass(frozen=True)
+class BackfillPlan:
+    times: list[datetime]  # times that get a run
+    existing: int  # times in range that already had a run
+
+
+def backfill_plan(*, job: Job, since: datetime, until: datetime, now: datetime) -> BackfillPlan:
+    """The runs a job would have had in [since, until), up to now, less those that exist."""
+    if job.state == Job.State.DELETED:
+        raise BackfillError(f"{job.public_id} is deleted")
+    if until <= since:
+        raise BackfillError("--until must be after --since")
+    end = min(until, now)
+    if job.is_recurring:
+        wanted: list[datetime] = []
+        for t in schedule.cron_times(job.schedule, job.timezone, since - timedelta(seconds=1), end):
+            wanted.append(t)
+            if len(wanted) > settings.SCHEDULER_BACKFILL_MAX_RUNS:
+                raise BackfillError(
+                    f"the range holds more than {settings.SCHEDULER_BACKFILL_MAX_RUNS} runs "
+                    "(SCHEDULER_BACKFILL_MAX_RUNS); backfill a shorter range at a time"
+                )
+    else:
+        wanted = [job.run_at] if job.run_at and since <= job.run_at < end else []
+    have = set(Run.objects.filter(job=job, scheduled_for__in=wanted).values_list("scheduled_for", flat=True))
+    return BackfillPlan(times=[t for t in wanted if t not in have], existing=len(have))
+
+
+@transaction.atomic
+def job_backfill(*, job: Job, times: list[datetime], now: datetime | None = None) -> list[Run]:
+    """Create backfill runs; a time that got a run meanwhile is left alone."""
+    now = now or timezone.now()
+    created = []
+    for t in times:
+        if Run.objects.filter(job=job, scheduled_for=t).exists():
+            continue
+        created.append(run_create(job=job, scheduled_for=t, now=now, is_backfill=True, reason="backfill"))
+    return created
+
+
+@transaction.atomic
+def service_account_ensure(*, name: str, email: str = "") -> tuple[Any, str]:
+    """Create (or find) the service account NAME; returns (user, API token key).
+
+    Its user has no usable password and is not staff: it cannot log into the admin.
+    """
+    from django.contrib.auth import get_user_model
+    from rest_framework.authtoken.models import Token
+
+    from jobs.models import ServiceAccount
+
+    user_model = get_user_model()
+    user, created = user_model.objects.get_or_create(username=name, defaults={"email": email})
+    if created:
+        user.set_unusable_password()
+        user.save(update_fields=["password"])
+    elif user.is_staff or user.is_superuser or user.has_usable_password():
+        raise ValueError(f"{name!r} is a person's account, not a service account")
+    ServiceAccount.objects.get_or_create(user=user)
+    token, _ = Token.objects.get_or_create(user=user)
+    return user, token.key

@@ -1,0 +1,87 @@
+"""Checks shared by the API serializers, the admin forms and the worker.
+
+Each raises ValueError with a sentence that says what is wrong; the callers
+attach the field name.
+"""
+from __future__ import annotations
+
+import fnmatch
+import ipaddress
+import socket
+from urllib.parse import urlsplit
+
+from django.conf import settings
+
+# Never called, whatever the allowlist says: link-local (cloud metadata lives
+# there) and the AWS IPv6 metadata address.
+REFUSED_NETWORKS = (
+    ipaddress.ip_network("169.254.0.0/16"),
+    ipaddress.ip_network("fe80::/10"),
+    ipaddress.ip_network("fd00:ec2::254/128"),
+)
+REFUSED_HOSTNAMES = frozenset({"metadata.google.internal", "metadata"})
+METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
+
+
+def is_refused_address(address: str) -> bool:
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
+        ip = ip.ipv4_mapped
+    return any(ip in net for net in REFUSED_NETWORKS)
+
+
+def target_host(url: str) -> str:
+    """The host as written in the URL, port included (the bulkhead's key)."""
+    return urlsplit(url).netloc.rsplit("@", 1)[-1].lower()
+
+
+def validate_target(url: str) -> None:
+    """At creation: http(s), a host, allowed by the allowlist, not a refused address."""
+    if len(url) > 2000:
+        raise ValueError("must be at most 2000 characters")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"must be an http or https URL, not {parts.scheme or 'a relative'!r} one")
+    try:
+        hostname = parts.hostname
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError as exc:
+        raise ValueError(f"has a bad host or port ({exc})") from exc
+    if not hostname:
+        raise ValueError("must name a host")
+    if parts.username or parts.password:
+        raise ValueError("must not carry a user name or password; use headers")
+    if hostname in REFUSED_HOSTNAMES or is_refused_address(hostname):
+        raise ValueError(f"host {hostname} is a link-local or metadata address, which is never called")
+    allow = settings.SCHEDULER_TARGET_ALLOWLIST
+    if allow and not any(fnmatch.fnmatch(hostname, pattern.lower()) for pattern in allow):
+        raise ValueError(f"host {hostname} is not in SCHEDULER_TARGET_ALLOWLIST")
+
+
+def check_resolved_target(url: str) -> None:
+    """At call time, after DNS: refuse a name that resolves to a refused address."""
+    validate_target(url)
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        infos = socket.getaddrinfo(parts.hostname, port, proto=socket.IPPROTO_TCP)
+    except socket.gaierror:
+        return  # the call itself will fail and be retried as a connection error
+    for info in infos:
+        if is_refused_address(str(info[4][0])):
+            raise ValueError(f"host {parts.hostname} resolves to {info[4][0]}, a link-local or metadata address")
+
+
+def validate_method(method: str) -> str:
+    upper = method.upper()
+    if upper not in METHODS:
+        raise ValueError(f"must be one of {', '.join(METHODS)}, not {method!r}")
+    return upper
+
+
+def validate_header_name(name: str) -> None:
+    if not name or any(c in name for c in " :\r\n\t") or not name.isascii():
+        raise ValueError(f"{name!r} is not a valid HTTP header name")

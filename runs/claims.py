@@ -1,0 +1,152 @@
+"""Every fenced statement, and nowhere else.
+
+Each is one statement whose WHERE checks the expected state (and the fence),
+followed by a row-count or RETURNING check. A holder whose lease was taken over
+has a lower fence than the run's, so none of its writes can match.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from django.db import connection
+from django.db.models import QuerySet
+
+from runs.models import Run
+
+S = Run.Status
+
+# The claim: running, a fresh lease, fence plus one, attempt plus one -- only if
+# nobody holds a live lease (queued, or running with a lease that ran out) and
+# the run is not held. Raw SQL because the ORM cannot say RETURNING on update.
+CLAIM_SQL = """
+UPDATE runs
+   SET status = 'running',
+       fence = fence + 1,
+       attempt = attempt + 1,
+       lease_owner = %s,
+       lease_expires_at = %s,
+       started_at = COALESCE(started_at, %s)
+ WHERE id = %s
+   AND held = %s
+   AND (status = 'queued' OR (status = 'running' AND lease_expires_at < %s))
+RETURNING fence, attempt
+"""
+
+
+@dataclass(frozen=True)
+class Claim:
+    run_id: int
+    fence: int
+    attempt: int
+    worker: str
+
+
+def _db_time(value: datetime) -> object:
+    # Raw SQL needs the backend's own form of a datetime (SQLite stores naive UTC text).
+    return connection.ops.adapt_datetimefield_value(value)
+
+
+def claim(*, run_id: int, worker: str, now: datetime, lease: timedelta) -> Claim | None:
+    """Take the run's lease. None means someone else has it: drop the message."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            CLAIM_SQL,
+            [worker, _db_time(now + lease), _db_time(now), run_id, False, _db_time(now)],
+        )
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    return Claim(run_id=run_id, fence=int(row[0]), attempt=int(row[1]), worker=worker)
+
+
+def heartbeat(*, run_id: int, fence: int, now: datetime, lease: timedelta) -> bool:
+    """Extend the lease. False means the lease was taken over (or the run ended)."""
+    return (
+        Run.objects.filter(pk=run_id, fence=fence, status=S.RUNNING).update(lease_expires_at=now + lease)
+        == 1
+    )
+
+
+def finish(*, run_id: int, fence: int, status: str, now: datetime, error: str = "") -> bool:
+    """Record a terminal outcome under the lease's fence. False: a stale holder."""
+    return (
+        Run.objects.filter(pk=run_id, fence=fence, status=S.RUNNING).update(
+            status=status,
+            finished_at=now,
+            last_error=error[:2000],
+            lease_owner="",
+            lease_expires_at=None,
+        )
+        == 1
+    )
+
+
+def schedule_retry(*, run_id: int, fence: int, due_at: datetime, error: str) -> bool:
+    """Back to scheduled with a later due_at: the retry is a row, not a message."""
+    return (
+        Run.objects.filter(pk=run_id, fence=fence, status=S.RUNNING).update(
+            status=S.SCHEDULED,
+            due_at=due_at,
+            last_error=error[:2000],
+            lease_owner="",
+            lease_expires_at=None,
+            queued_at=None,
+        )
+        == 1
+    )
+
+
+def _lock_ids(query: "QuerySet[Run]", limit: int) -> list[int]:
+    # Rows another scanner is already handling are skipped, not waited for
+    # (SQLite has no row locks; its IMMEDIATE transactions serialize instead).
+    assert connection.in_atomic_block, "recovery statements run inside the scan's transaction"
+    return list(query.select_for_update(skip_locked=True, of=("self",)).values_list("pk", flat=True)[:limit])
+
+
+def release_expired_leases(*, partitions: list[int], now: datetime, limit: int) -> list[int]:
+    """Running runs whose lease ran out (dead or frozen worker) go back to queued.
+
+    The run keeps its fence: the next claim raises it, which is what shuts the
+    old holder out.
+    """
+    ids = _lock_ids(
+        Run.objects.filter(partition__in=partitions, status=S.RUNNING, lease_expires_at__lt=now).order_by(
+            "lease_expires_at"
+        ),
+        limit,
+    )
+    if ids:
+        Run.objects.filter(pk__in=ids).update(status=S.QUEUED, queued_at=now, lease_owner="", lease_expires_at=None)
+    return ids
+
+
+def touch_unclaimed(*, partitions: list[int], now: datetime, older_than: timedelta, limit: int) -> list[int]:
+    """Queued runs no worker claimed in time: their message may be lost, publish again."""
+    ids = _lock_ids(
+        Run.objects.filter(partition__in=partitions, status=S.QUEUED, queued_at__lt=now - older_than).order_by(
+            "queued_at"
+        ),
+        limit,
+    )
+    if ids:
+        Run.objects.filter(pk__in=ids).update(queued_at=now)
+    return ids
+
+
+def lock_due(*, partitions: list[int], now: datetime, limit: int) -> "QuerySet[Run]":
+    """The scanner's question: due, still scheduled, not held, in my partitions.
+
+    One range read of runs_due_idx per partition; rows locked so that a second
+    scanner (a frozen one that still believes it owns them) skips them.
+    """
+    assert connection.in_atomic_block, "the due read runs inside the scan's transaction"
+    return (
+        Run.objects.filter(partition__in=partitions, status=S.SCHEDULED, held=False, due_at__lte=now)
+        .order_by("due_at")
+        .select_for_update(skip_locked=True, of=("self",))[:limit]
+    )
+
+
+def mark_queued(*, run_ids: list[int], now: datetime) -> int:
+    return Run.objects.filter(pk__in=run_ids, status=S.SCHEDULED).update(status=S.QUEUED, queued_at=now)

@@ -1,0 +1,152 @@
+"""The HTTP call to a target, and the headers the CONTRACT promises it."""
+from __future__ import annotations
+
+import email.utils
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone as dt_timezone
+
+import requests
+from requests.adapters import HTTPAdapter
+
+from jobs.models import Job
+from jobs.public_ids import format_id
+from jobs.secrets import decrypt_headers
+from runs.claims import Claim
+from runs.models import Run
+
+RETRYABLE_STATUSES = frozenset({408, 429})
+USER_AGENT = "django-job-scheduler/1.0"
+
+_local = threading.local()
+
+
+def session() -> requests.Session:
+    """One connection pool per worker process (and thread), made after fork."""
+    current = getattr(_local, "session", None)
+    if current is None or getattr(_local, "pid", None) != os.getpid():
+        current = requests.Session()
+        adapter = HTTPAdapter(pool_connections=32, pool_maxsize=32, max_retries=0)
+        current.mount("http://", adapter)
+        current.mount("https://", adapter)
+        _local.session, _local.pid = current, os.getpid()
+    return current
+
+
+@dataclass(frozen=True)
+class Request:
+    method: str
+    url: str
+    headers: dict[str, str]
+    body: bytes
+
+
+@dataclass(frozen=True)
+class CallResult:
+    status: int | None = None  # the HTTP status, or None when no answer came
+    error: str = ""  # "timeout", "connection refused: ..." when no answer came
+    duration_ms: int = 0
+    retry_after_seconds: float | None = None
+    excerpt: str = field(default="", repr=False)
+
+    @property
+    def ok(self) -> bool:
+        return self.status is not None and 200 <= self.status < 300
+
+    @property
+    def retryable(self) -> bool:
+        # 408, 429, 5xx, a timeout and a refused connection are tried again;
+        # any other answer is final.
+        if self.status is None:
+            return True
+        return self.status in RETRYABLE_STATUSES or self.status >= 500
+
+    def describe(self) -> str:
+        if self.status is None:
+            return self.error
+        text = f"HTTP {self.status}"
+        return f"{text}: {self.excerpt}" if self.excerpt else text
+
+
+def iso_z(value: datetime) -> str:
+    return value.astimezone(dt_timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def build_request(*, run: Run, job: Job, claim: Claim, signer: "Signer | None" = None) -> Request:
+    body = b"" if job.payload is None else json.dumps(job.payload, separators=(",", ":")).encode()
+    headers: dict[str, str] = {"User-Agent": USER_AGENT}
+    headers.update(job.headers or {})
+    headers.update(decrypt_headers(job.secret_headers))
+    # Ours last, so a job cannot forge them.
+    headers.update(
+        {
+            "Idempotency-Key": run.idempotency_key,
+            "X-Fence-Token": str(claim.fence),
+            "X-Run-Id": format_id("run", run.pk),
+            "X-Attempt": str(claim.attempt),
+            "X-Scheduled-For": iso_z(run.scheduled_for),
+        }
+    )
+    if body:
+        headers.setdefault("Content-Type", "application/json")
+    if signer is not None:
+        headers["X-Signature"] = signer(body)
+    return Request(method=job.method, url=job.target, headers=headers, body=body)
+
+
+class Signer:  # a callable body -> X-Signature value (runs.signing provides one)
+    def __call__(self, body: bytes) -> str:  # pragma: no cover - protocol only
+        raise NotImplementedError
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=dt_timezone.utc)
+    return max(0.0, (when - datetime.now(dt_timezone.utc)).total_seconds())
+
+
+def call(request: Request, *, timeout_seconds: float) -> CallResult:
+    started = time.monotonic()
+    try:
+        response = session().request(
+            request.method,
+            request.url,
+            headers=request.headers,
+            data=request.body or None,
+            timeout=timeout_seconds,
+            allow_redirects=False,  # a redirect could lead anywhere: it is an answer, not a hop
+        )
+    except requests.Timeout:
+        return CallResult(error=f"timeout after {timeout_seconds:g}s", duration_ms=_ms(started))
+    except requests.ConnectionError as exc:
+        return CallResult(error=f"connection error: {_short(exc)}", duration_ms=_ms(started))
+    except requests.RequestException as exc:
+        return CallResult(error=f"request failed: {_short(exc)}", duration_ms=_ms(started))
+    excerpt = "" if response.ok else response.text[:200]
+    return CallResult(
+        status=response.status_code,
+        duration_ms=_ms(started),
+        retry_after_seconds=parse_retry_after(response.headers.get("Retry-After")),
+        excerpt=excerpt,
+    )
+
+
+def _ms(started: float) -> int:
+    return int((time.monotonic() - started) * 1000)
+
+
+def _short(exc: Exception) -> str:
+    text = str(exc)
+    return text if len(text) <= 300 else text[:297] + "..."

@@ -1,0 +1,116 @@
+"""The run: one execution of a job at one scheduled time, and its timeline."""
+from __future__ import annotations
+
+from django.db import models
+
+from jobs.models import Job
+from jobs.public_ids import format_id
+
+
+class Run(models.Model):
+    class Status(models.TextChoices):
+        SCHEDULED = "scheduled"
+        QUEUED = "queued"
+        RUNNING = "running"
+        SUCCEEDED = "succeeded"
+        DEAD = "dead"
+        SKIPPED = "skipped"
+        CANCELLED = "cancelled"
+
+    OPEN = (Status.SCHEDULED, Status.QUEUED, Status.RUNNING)
+    TERMINAL = (Status.SUCCEEDED, Status.DEAD, Status.SKIPPED, Status.CANCELLED)
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="runs")
+    scheduled_for = models.DateTimeField()  # the nominal time, whole seconds, UTC
+    due_at = models.DateTimeField()  # when it may start: inside the window, or the retry time
+    partition = models.SmallIntegerField()
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.SCHEDULED)
+    # Held runs are not scanned: the job is paused, or its target host is paused.
+    held = models.BooleanField(default=False)
+    attempt = models.PositiveIntegerField(default=0)  # calls made (claims that call the target)
+    fence = models.BigIntegerField(default=0)  # +1 on every lease handed out
+    lease_owner = models.CharField(max_length=200, blank=True)
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    queued_at = models.DateTimeField(null=True, blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    last_error = models.TextField(blank=True)
+    is_backfill = models.BooleanField(default=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        db_table = "runs"
+        constraints = [
+            models.UniqueConstraint(fields=["job", "scheduled_for"], name="runs_one_run_per_time"),
+            # A job has at most one open run, backfills apart.
+            models.UniqueConstraint(
+                fields=["job"],
+                condition=models.Q(status__in=["scheduled", "queued", "running"], is_backfill=False),
+                name="runs_one_open_run_per_job",
+            ),
+        ]
+        indexes = [
+            # The scanner's question, one short range read per partition.
+            models.Index(
+                fields=["partition", "due_at"],
+                condition=models.Q(status="scheduled", held=False),
+                name="runs_due_idx",
+            ),
+            # Recovery: queued runs whose message may be lost, leases that ran out.
+            models.Index(
+                fields=["partition", "queued_at"], condition=models.Q(status="queued"), name="runs_queued_idx"
+            ),
+            models.Index(
+                fields=["partition", "lease_expires_at"],
+                condition=models.Q(status="running"),
+                name="runs_lease_idx",
+            ),
+            models.Index(fields=["status", "-id"], name="runs_status_idx"),
+            models.Index(fields=["finished_at"], name="runs_finished_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.public_id} {self.status}"
+
+    @property
+    def public_id(self) -> str:
+        return format_id("run", self.pk)
+
+    @property
+    def idempotency_key(self) -> str:
+        return f"{format_id('job', self.job_id)}@{self.scheduled_for.strftime('%Y-%m-%dT%H:%M:%SZ')}"
+
+    @property
+    def is_open(self) -> bool:
+        return self.status in self.OPEN
+
+
+class RunEvent(models.Model):
+    """One line of a run's timeline."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="events")
+    at = models.DateTimeField()
+    type = models.CharField(max_length=40)
+    detail = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        db_table = "run_events"
+        ordering = ["at", "id"]
+        indexes = [models.Index(fields=["run", "at"], name="run_events_run_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.at:%Y-%m-%dT%H:%M:%SZ} {self.type}"
+
+
+class PausedTarget(models.Model):
+    """A target host (as written in the URL, port included) whose runs are held."""
+
+    host = models.CharField(max_length=300, unique=True)
+    paused_at = models.DateTimeField(auto_now_add=True)
+    paused_by = models.CharField(max_length=150, blank=True)
+
+    class Meta:
+        db_table = "paused_targets"
+
+    def __str__(self) -> str:
+        return self.host

@@ -1,0 +1,6 @@
+from django.apps import AppConfig
+
+
+class ScannersConfig(AppConfig):
+    name = "scanners"
+    verbose_name = "Scanners"

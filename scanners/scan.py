@@ -1,0 +1,165 @@
+"""One scan of a scanner's partitions: due runs onto the run queue, misfires by
+policy, and recovery of runs whose message or lease was lost.
+
+The database write happens first and the publish after commit: a scanner that
+dies between the two leaves queued runs that the unclaimed-run recovery
+publishes again. A run published twice is claimed once (the fence).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from jobs import schedule
+from jobs.models import Job
+from runs import claims, events
+from runs.delivery import iso_z
+from runs.models import Run, RunEvent
+from runs.services import run_create
+
+logger = logging.getLogger("scheduler.scanner")
+S = Run.Status
+
+
+@dataclass
+class ScanResult:
+    queued: list[int] = field(default_factory=list)
+    misfired: int = 0
+    skipped: int = 0
+    lease_expired: list[int] = field(default_factory=list)
+    republished: list[int] = field(default_factory=list)
+
+    @property
+    def to_publish(self) -> list[int]:
+        return self.queued + self.lease_expired + self.republished
+
+
+def scan_once(*, partitions: list[int] | frozenset[int], now: datetime | None = None, publish: bool = True) -> ScanResult:
+    """Scan the given partitions once; publish what became queued."""
+    now = now or timezone.now()
+    parts = sorted(partitions)
+    result = ScanResult()
+    if not parts:
+        return result
+    batch = settings.SCHEDULER_SCAN_BATCH
+    with transaction.atomic():
+        _recover(parts, now, batch, result)
+    while True:
+        with transaction.atomic():
+            due = list(claims.lock_due(partitions=parts, now=now, limit=batch).select_related("job"))
+            _queue_due(due, now, result)
+        if len(due) < batch:
+            break
+    if publish and result.to_publish:
+        publish_runs(result.to_publish)
+    return result
+
+
+def _recover(parts: list[int], now: datetime, batch: int, result: ScanResult) -> None:
+    expired = claims.release_expired_leases(partitions=parts, now=now, limit=batch)
+    stale = claims.touch_unclaimed(
+        partitions=parts, now=now, older_than=timedelta(seconds=settings.SCHEDULER_REQUEUE_AFTER), limit=batch
+    )
+    found = [events.event(i, "lease_expired", now) for i in expired]
+    found += [events.event(i, "requeued", now, reason="not claimed in time; published again") for i in stale]
+    events.record_many(found)
+    result.lease_expired, result.republished = expired, stale
+
+
+def _queue_due(due: list[Run], now: datetime, result: ScanResult) -> None:
+    grace = timedelta(seconds=settings.SCHEDULER_MISFIRE_GRACE)
+    on_time: list[Run] = []
+    for run in due:
+        if run.is_backfill or run.attempt > 0 or now <= _deadline(run, grace):
+            on_time.append(run)
+        else:
+            _misfire(run, now, result)
+    ids = [run.pk for run in on_time]
+    if ids:
+        claims.mark_queued(run_ids=ids, now=now)
+        events.record_many(events.event(i, "queued", now) for i in ids)
+        result.queued.extend(ids)
+
+
+def _deadline(run: Run, grace: timedelta) -> datetime:
+    return schedule.misfire_deadline(
+        scheduled_for=run.scheduled_for,
+        due_at=run.due_at,
+        window=timedelta(seconds=run.job.window_seconds),
+        grace=grace,
+    )
+
+
+def _misfire(run: Run, now: datetime, result: ScanResult) -> None:
+    """A run found past its window plus the grace: the job's misfire policy decides."""
+    job = run.job
+    missed: list[datetime] = []
+    next_future = None
+    if job.is_recurring:
+        cap = settings.SCHEDULER_MISFIRE_MAX_SKIPPED
+        for t in schedule.cron_times(job.schedule, job.timezone, run.scheduled_for, now + timedelta(seconds=1)):
+            missed.append(t)
+            if len(missed) >= cap:
+                break  # a job down for a year at one run a minute would otherwise write 500k rows
+        next_future = schedule.next_cron_time(job.schedule, job.timezone, max([now, *missed]))
+    decision = schedule.misfire_decision(
+        policy=job.misfire, late_time=run.scheduled_for, missed_after=missed, next_future=next_future
+    )
+    result.misfired += 1
+    found: list[RunEvent] = [events.event(run.pk, "misfired", now, policy=job.misfire, late_by_s=int((now - run.scheduled_for).total_seconds()))]
+    if decision.run_late:
+        claims.mark_queued(run_ids=[run.pk], now=now)
+        found.append(events.event(run.pk, "queued", now))
+        result.queued.append(run.pk)
+    else:
+        Run.objects.filter(pk=run.pk, status=S.SCHEDULED).update(status=S.SKIPPED, finished_at=now)
+        found.append(events.event(run.pk, "skipped", now, reason=f"misfire policy {job.misfire}"))
+        result.skipped += 1
+    events.record_many(found)
+    _skip_times(job, decision.skipped_times, now, result)
+    if not decision.run_late:
+        if decision.next_time is not None:
+            nxt = run_create(job=job, scheduled_for=decision.next_time, now=now)
+            events.record(run.pk, "next_run_created", now, run=nxt.public_id, scheduled_for=iso_z(nxt.scheduled_for))
+        elif not job.is_recurring:
+            Job.objects.filter(pk=job.pk).exclude(state=Job.State.DELETED).update(state=Job.State.COMPLETED)
+
+
+def _skip_times(job: Job, times: list[datetime], now: datetime, result: ScanResult) -> None:
+    """Every other missed time gets a `skipped` row (and a `skipped` event)."""
+    if not times:
+        return
+    taken = set(Run.objects.filter(job=job, scheduled_for__in=times).values_list("scheduled_for", flat=True))
+    rows = [
+        Run(
+            job=job,
+            scheduled_for=t,
+            due_at=t,
+            partition=job.partition,
+            status=S.SKIPPED,
+            finished_at=now,
+            last_error=f"missed while nothing could start it (misfire policy {job.misfire})",
+        )
+        for t in times
+        if t not in taken
+    ]
+    created = Run.objects.bulk_create(rows)
+    if created and created[0].pk is None:  # backends without RETURNING on bulk insert
+        created = list(Run.objects.filter(job=job, scheduled_for__in=[r.scheduled_for for r in rows]))
+    events.record_many(events.event(r.pk, "skipped", now, reason=f"misfire policy {job.misfire}") for r in created)
+    result.skipped += len(created)
+
+
+def publish_runs(run_ids: list[int]) -> None:
+    """All of a scan's runs onto the run queue over one broker connection."""
+    from runs.tasks import execute_run
+    from scheduler_project.celery import app
+
+    with app.producer_or_acquire() as producer:
+        for run_id in run_ids:
+            execute_run.apply_async((run_id,), producer=producer)

@@ -1,0 +1,225 @@
+"""Settings, read from the environment (see README's settings table).
+
+With no DATABASE_URL the project runs on its embedded defaults: a SQLite file,
+a file-system Celery broker and a single-node coordinator, all under var/.
+Setting DATABASE_URL means the production layout, where SECRET_KEY is required
+and DEBUG is refused.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+DATA_DIR = Path(os.environ.get("SCHEDULER_DATA_DIR", BASE_DIR / "var"))
+
+
+def env_str(name: str, default: str = "") -> str:
+    return os.environ.get(name, default)
+
+
+def env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "")
+    try:
+        return int(raw) if raw else default
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"{name} must be a whole number, not {raw!r}") from exc
+
+
+def env_list(name: str, default: str = "") -> list[str]:
+    return [part.strip() for part in env_str(name, default).split(",") if part.strip()]
+
+
+def embedded_secret_key() -> str:
+    # The embedded mode makes one secret and keeps it, so sessions survive restarts.
+    path = DATA_DIR / "secret_key"
+    if not path.exists():
+        DATA_DIR.mkdir(parents=True, exist_ok=True)
+        path.write_text(secrets.token_urlsafe(50))
+        path.chmod(0o600)
+    return path.read_text().strip()
+
+
+EMBEDDED = not env_str("DATABASE_URL")
+
+if EMBEDDED:
+    DATA_DIR.mkdir(parents=True, exist_ok=True)
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": DATA_DIR / "scheduler.sqlite3",
+            "OPTIONS": {
+                # Several processes share the file: wait for locks, take the
+                # write lock up front, and let readers go on while one writes.
+                "timeout": 30,
+                "transaction_mode": "IMMEDIATE",
+                "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+            },
+        }
+    }
+    SECRET_KEY = env_str("SECRET_KEY") or embedded_secret_key()
+else:
+    DATABASES = {"default": dj_database_url.parse(env_str("DATABASE_URL"), conn_max_age=60)}
+    SECRET_KEY = env_str("SECRET_KEY")
+    if not SECRET_KEY:
+        raise ImproperlyConfigured(
+            "SECRET_KEY is required when DATABASE_URL is set (the production layout)."
+        )
+
+DEBUG = env_str("DEBUG") == "1"
+if DEBUG and not EMBEDDED:
+    raise ImproperlyConfigured("DEBUG=1 is refused in the production layout (DATABASE_URL is set).")
+
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", "localhost,127.0.0.1,[::1]")
+if not ALLOWED_HOSTS and not EMBEDDED:
+    raise ImproperlyConfigured("ALLOWED_HOSTS must not be empty in the production layout.")
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "rest_framework.authtoken",
+    "drf_spectacular",
+    "jobs",
+    "runs",
+    "scanners",
+    "receiver",  # the target-side helper; the built-in echo target uses it
+]
+
+MIDDLEWARE = [
+    "scheduler_project.middleware.BodySizeLimitMiddleware",
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "scheduler_project.urls"
+WSGI_APPLICATION = "scheduler_project.wsgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"  # stored times are UTC; a job's zone lives on the job
+USE_I18N = True
+USE_TZ = True
+STATIC_URL = "static/"
+STATIC_ROOT = DATA_DIR / "static"
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# One request body may be 1 MiB; the middleware answers 413 past that.
+MAX_REQUEST_BODY_BYTES = 1024 * 1024
+DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_REQUEST_BODY_BYTES
+MAX_PAYLOAD_BYTES = 256 * 1024
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": ["rest_framework.authentication.TokenAuthentication"],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.PageNumberPagination",
+    "PAGE_SIZE": 50,
+    "DEFAULT_THROTTLE_CLASSES": ["rest_framework.throttling.UserRateThrottle"],
+    "DEFAULT_THROTTLE_RATES": {"user": env_str("SCHEDULER_API_THROTTLE", "600/min")},
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+}
+
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Job scheduler API",
+    "DESCRIPTION": "Create jobs, read their runs. See docs/targets.md for what a target receives.",
+    "VERSION": "1.0.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+}
+
+# The throttle counts requests per token in the cache; a shared cache in production.
+REDIS_CACHE_URL = env_str("SCHEDULER_CACHE_URL")
+CACHES = {
+    "default": (
+        {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_CACHE_URL}
+        if REDIS_CACHE_URL
+        else {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}
+    )
+}
+
+# Celery: Redis in production, a file-system broker (no server) when embedded.
+CELERY_BROKER_URL = env_str("CELERY_BROKER_URL") or "filesystem://"
+if CELERY_BROKER_URL == "filesystem://":
+    _broker_dir = DATA_DIR / "broker"
+    for _sub in ("in", "processed"):
+        (_broker_dir / _sub).mkdir(parents=True, exist_ok=True)
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": str(_broker_dir / "in"),
+        "data_folder_out": str(_broker_dir / "in"),
+        "processed_folder": str(_broker_dir / "processed"),
+        "store_processed": False,
+    }
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_TASK_ACKS_LATE = False  # the store, not the broker, decides who runs a run
+CELERY_WORKER_PREFETCH_MULTIPLIER = 4
+CELERY_TASK_DEFAULT_QUEUE = "runs"
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+
+ZOOKEEPER_HOSTS = env_str("ZOOKEEPER_HOSTS")
+
+# The scheduler's own knobs (CONTRACT.md's table, plus a few of ours).
+SCHEDULER_LEASE_SECONDS = env_int("SCHEDULER_LEASE_SECONDS", 60)
+SCHEDULER_SCAN_INTERVAL = float(env_str("SCHEDULER_SCAN_INTERVAL", "1") or 1)
+SCHEDULER_MISFIRE_GRACE = env_int("SCHEDULER_MISFIRE_GRACE", 60)
+SCHEDULER_TARGET_ALLOWLIST = env_list("SCHEDULER_TARGET_ALLOWLIST")
+SCHEDULER_API_THROTTLE = env_str("SCHEDULER_API_THROTTLE", "600/min")
+SCHEDULER_TARGET_CONCURRENCY = env_int("SCHEDULER_TARGET_CONCURRENCY", 10)
+SCHEDULER_SIGNING_OVERLAP = env_str("SCHEDULER_SIGNING_OVERLAP", "24h")
+# Ours: partitions are fixed for a deployment (a run's partition is stored on it).
+SCHEDULER_PARTITIONS = env_int("SCHEDULER_PARTITIONS", 16)
+SCHEDULER_SCAN_BATCH = env_int("SCHEDULER_SCAN_BATCH", 500)
+# A queued run no worker has claimed after this long is published again
+# (its message may have been lost: Redis keeps nothing on disk).
+SCHEDULER_REQUEUE_AFTER = env_int("SCHEDULER_REQUEUE_AFTER", 30)
+SCHEDULER_ZK_ROOT = env_str("SCHEDULER_ZK_ROOT", "/scheduler")
+SCHEDULER_ZK_SESSION_TIMEOUT = float(env_str("SCHEDULER_ZK_SESSION_TIMEOUT", "10") or 10)
+SCHEDULER_ZK_TIME_BOUNDARY = float(env_str("SCHEDULER_ZK_TIME_BOUNDARY", "2") or 2)
+SCHEDULER_BACKFILL_MAX_RUNS = env_int("SCHEDULER_BACKFILL_MAX_RUNS", 10000)
+SCHEDULER_MISFIRE_MAX_SKIPPED = env_int("SCHEDULER_MISFIRE_MAX_SKIPPED", 1000)
+SCHEDULER_ENCRYPTION_KEY = env_str("SCHEDULER_ENCRYPTION_KEY")
+
+EMAIL_BACKEND = env_str("EMAIL_BACKEND", "django.core.mail.backends.console.EmailBackend")
+DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "scheduler@localhost")
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "loggers": {
+        "scheduler": {"handlers": ["console"], "level": env_str("SCHEDULER_LOG_LEVEL", "INFO")},
+    },
+}

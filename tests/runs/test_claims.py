@@ -1,0 +1,144 @@
+"""The fenced statements, on a real database, with two connections where it matters."""
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+from django.db import IntegrityError, connection, transaction
+
+from runs import claims
+from runs.models import Run
+from tests.factories import make_job, make_run, utc
+
+NOW = utc("2026-10-28T20:30:05Z")
+LEASE = timedelta(seconds=60)
+S = Run.Status
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def queued_run() -> Run:
+    return make_run(make_job(), utc("2026-10-28T20:30:00Z"), status=S.QUEUED, queued_at=NOW)
+
+
+def test_a_claim_takes_the_lease_and_raises_the_fence_and_attempt() -> None:
+    run = queued_run()
+    claim = claims.claim(run_id=run.pk, worker="w1", now=NOW, lease=LEASE)
+    assert claim is not None and (claim.fence, claim.attempt) == (1, 1)
+    run.refresh_from_db()
+    assert run.status == S.RUNNING and run.lease_owner == "w1"
+    assert run.lease_expires_at == NOW + LEASE and run.started_at == NOW
+
+
+@pytest.mark.embedded
+def test_a_second_claim_on_a_live_lease_changes_nothing() -> None:
+    run = queued_run()
+    assert claims.claim(run_id=run.pk, worker="w1", now=NOW, lease=LEASE) is not None
+    assert claims.claim(run_id=run.pk, worker="w2", now=NOW + timedelta(seconds=5), lease=LEASE) is None
+    run.refresh_from_db()
+    assert (run.fence, run.lease_owner) == (1, "w1")
+
+
+@pytest.mark.embedded
+def test_an_expired_lease_can_be_claimed_again_with_a_higher_fence() -> None:
+    run = queued_run()
+    first = claims.claim(run_id=run.pk, worker="w1", now=NOW, lease=LEASE)
+    later = NOW + LEASE + timedelta(seconds=1)
+    second = claims.claim(run_id=run.pk, worker="w2", now=later, lease=LEASE)
+    assert first is not None and second is not None
+    assert second.fence == first.fence + 1 and second.attempt == 2
+
+
+@pytest.mark.embedded
+def test_a_stale_fence_cannot_write_a_result() -> None:
+    run = queued_run()
+    first = claims.claim(run_id=run.pk, worker="w1", now=NOW, lease=LEASE)
+    second = claims.claim(run_id=run.pk, worker="w2", now=NOW + LEASE * 2, lease=LEASE)
+    assert first and second
+    assert not claims.finish(run_id=run.pk, fence=first.fence, status=S.SUCCEEDED, now=NOW + LEASE * 2)
+    assert not claims.heartbeat(run_id=run.pk, fence=first.fence, now=NOW, lease=LEASE)
+    assert not claims.schedule_retry(run_id=run.pk, fence=first.fence, due_at=NOW, error="x")
+    assert claims.finish(run_id=run.pk, fence=second.fence, status=S.SUCCEEDED, now=NOW + LEASE * 2)
+    run.refresh_from_db()
+    assert run.status == S.SUCCEEDED and run.fence == second.fence
+
+
+def test_a_held_run_cannot_be_claimed() -> None:
+    run = queued_run()
+    Run.objects.filter(pk=run.pk).update(held=True)
+    assert claims.claim(run_id=run.pk, worker="w1", now=NOW, lease=LEASE) is None
+
+
+def test_a_scheduled_run_cannot_be_claimed_before_the_scanner_queues_it() -> None:
+    run = make_run(make_job(), utc("2026-10-28T20:30:00Z"))
+    assert claims.claim(run_id=run.pk, worker="w1", now=NOW, lease=LEASE) is None
+
+
+def test_two_workers_racing_for_one_run_get_one_claim() -> None:
+    run = queued_run()
+    results: list[object] = []
+    barrier = threading.Barrier(8)
+
+    def race(name: str) -> None:
+        try:
+            barrier.wait()
+            results.append(claims.claim(run_id=run.pk, worker=name, now=NOW, lease=LEASE))
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=race, args=(f"w{i}",)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    won = [r for r in results if r is not None]
+    assert len(results) == 8 and len(won) == 1
+    run.refresh_from_db()
+    assert run.fence == 1
+
+
+def test_a_job_cannot_have_two_open_runs() -> None:
+    job = make_job()
+    make_run(job, utc("2026-10-28T20:30:00Z"))
+    with pytest.raises(IntegrityError), transaction.atomic():
+        make_run(job, utc("2026-10-28T20:31:00Z"), status=S.QUEUED)
+
+
+def test_backfill_runs_are_not_counted_as_the_open_run() -> None:
+    job = make_job()
+    make_run(job, utc("2026-10-28T20:30:00Z"))
+    make_run(job, utc("2026-10-27T20:30:00Z"), is_backfill=True)
+    assert Run.objects.filter(job=job, status=S.SCHEDULED).count() == 2
+
+
+def test_no_time_can_get_two_runs() -> None:
+    job = make_job()
+    make_run(job, utc("2026-10-28T20:30:00Z"), status=S.SUCCEEDED)
+    with pytest.raises(IntegrityError), transaction.atomic():
+        make_run(job, utc("2026-10-28T20:30:00Z"), is_backfill=True)
+
+
+def test_expired_leases_go_back_to_the_queue_keeping_their_fence() -> None:
+    run = queued_run()
+    claim = claims.claim(run_id=run.pk, worker="w1", now=NOW, lease=LEASE)
+    assert claim
+    with transaction.atomic():
+        assert claims.release_expired_leases(partitions=[run.partition], now=NOW + LEASE / 2, limit=10) == []
+    with transaction.atomic():
+        released = claims.release_expired_leases(partitions=[run.partition], now=NOW + LEASE * 2, limit=10)
+    assert released == [run.pk]
+    run.refresh_from_db()
+    assert run.status == S.QUEUED and run.fence == claim.fence and run.lease_owner == ""
+
+
+def test_queued_runs_nobody_claimed_are_touched_for_publishing_again() -> None:
+    run = queued_run()
+    wait = timedelta(seconds=30)
+    with transaction.atomic():
+        assert claims.touch_unclaimed(partitions=[run.partition], now=NOW + wait / 2, older_than=wait, limit=10) == []
+    later = NOW + wait * 2
+    with transaction.atomic():
+        assert claims.touch_unclaimed(partitions=[run.partition], now=later, older_than=wait, limit=10) == [run.pk]
+    run.refresh_from_db()
+    assert run.queued_at == later
