@@ -88,6 +88,7 @@ INSTALLED_APPS = [
     "rest_framework",
     "rest_framework.authtoken",
     "drf_spectacular",
+    "drf_spectacular_sidecar",  # Swagger UI's assets, served locally: /api/docs/ works offline
     "jobs",
     "runs",
     "scanners",
@@ -157,6 +158,10 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Create jobs, read their runs. See docs/targets.md for what a target receives.",
     "VERSION": "1.0.0",
     "SERVE_INCLUDE_SCHEMA": False,
+    # Self-contained assets (drf-spectacular-sidecar) instead of a CDN.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
 }
 
 # The throttle counts requests per token in the cache; a shared cache in production.
@@ -184,7 +189,7 @@ if CELERY_BROKER_URL == "filesystem://":
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_ACKS_LATE = False  # the store, not the broker, decides who runs a run
 CELERY_WORKER_PREFETCH_MULTIPLIER = 4
-CELERY_TASK_DEFAULT_QUEUE = "runs"
+CELERY_TASK_DEFAULT_QUEUE = env_str("SCHEDULER_RUN_QUEUE", "runs")
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 

@@ -1,0 +1,228 @@
+"""Real processes for integration tests: scanners, Celery workers, a private Redis.
+
+Every process started here is ended here, by its own id (its process group).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+from django.db import connection
+
+from jobs.services import service_account_ensure
+from tests.target import LoopbackTarget
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.2, what: str = "condition") -> Any:
+    """Poll until predicate() is truthy; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Proc:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path) -> None:
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self.log = open(self.log_path, "wb")
+        self.popen = subprocess.Popen(
+            argv, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.popen.pid, sig)  # the whole group: a prefork worker's children too
+        except ProcessLookupError:
+            pass
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        self.popen.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.signal(signal.SIGCONT)
+            self.signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.signal(signal.SIGKILL)  # leftovers of the group, if any
+        self.log.close()
+
+    def output(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        return self.log_path.read_text(errors="replace")
+
+
+class Stack:
+    """Scanner and worker processes sharing the test database, a broker and a coordinator."""
+
+    def __init__(self, env: dict[str, str], log_dir: Path) -> None:
+        self.env = env
+        self.log_dir = log_dir
+        self.procs: list[Proc] = []
+
+    def scanner(self, name: str) -> Proc:
+        argv = [sys.executable, "manage.py", "scanner", "--identifier", name]
+        return self._start(name, argv)
+
+    def worker(self, name: str, concurrency: int = 2, pool: str = "prefork") -> Proc:
+        argv = [
+            sys.executable, "-m", "celery", "-A", "scheduler_project", "worker", "-l", "INFO",
+            "-c", str(concurrency), "-P", pool, "-n", f"{name}@%h",
+            "--without-heartbeat", "--without-gossip", "--without-mingle",
+        ]
+        return self._start(name, argv)
+
+    def _start(self, name: str, argv: list[str]) -> Proc:
+        proc = Proc(name, argv, self.env, self.log_dir)
+        self.procs.append(proc)
+        return proc
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            proc.stop()
+
+    def logs(self) -> str:
+        return "\n".join(f"----- {p.name} -----\n{p.output()[-4000:]}" for p in self.procs)
+
+
+@pytest.fixture
+def integration_env(transactional_db: None, tmp_path: Path) -> dict[str, str]:
+    if not os.environ.get("ZOOKEEPER_HOSTS") or connection.vendor != "postgresql":
+        pytest.skip("needs the production layout (scripts/test.sh sets it up)")
+    db = connection.settings_dict
+    env = dict(os.environ)
+    env.update(
+        {
+            "DATABASE_URL": f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}",
+            "SCHEDULER_RUN_QUEUE": f"runs-test-{uuid.uuid4().hex[:8]}",
+            "SCHEDULER_ZK_ROOT": f"/scheduler-test-{uuid.uuid4().hex[:8]}",
+            "SCHEDULER_SCAN_INTERVAL": "0.5",
+            "SCHEDULER_ZK_SESSION_TIMEOUT": "4",
+            "SCHEDULER_ZK_TIME_BOUNDARY": "1",
+            "SCHEDULER_DATA_DIR": str(tmp_path / "var"),
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    return env
+
+
+@pytest.fixture
+def stack(integration_env: dict[str, str], tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Stack]:
+    s = Stack(integration_env, tmp_path)
+    yield s
+    s.stop_all()
+    if getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed:
+        print(s.logs())
+
+
+@pytest.hookimpl(tryfirst=True, hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: Any) -> Iterator[None]:
+    outcome = yield
+    rep = outcome.get_result()
+    setattr(item, f"rep_{rep.when}", rep)
+
+
+@pytest.fixture
+def target() -> Iterator[LoopbackTarget]:
+    server = LoopbackTarget().start()
+    yield server
+    server.stop()
+
+
+class Api:
+    def __init__(self, base: str, token: str) -> None:
+        self.base = base.rstrip("/")
+        self.http = requests.Session()
+        self.http.headers["Authorization"] = f"Token {token}"
+
+    def create_job(self, **body: Any) -> dict[str, Any]:
+        response = self.http.post(f"{self.base}/api/jobs/", json=body, timeout=10)
+        assert response.status_code == 201, response.text
+        return response.json()
+
+    def get(self, path: str, **params: Any) -> Any:
+        response = self.http.get(f"{self.base}{path}", params=params, timeout=10)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+
+@pytest.fixture
+def api(live_server: Any, integration_env: dict[str, str]) -> Api:
+    _, token = service_account_ensure(name="integration", email="owner@example.test")
+    return Api(live_server.url, token)
+
+
+class PrivateRedis:
+    """A redis-server of our own on a free loopback port, so FLUSHALL touches nothing else."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(tmp)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )
+        wait_for(self._ours, 10, what="the private redis-server")
+
+    def _ours(self) -> bool:
+        try:
+            out = subprocess.run(["redis-cli", "-p", str(self.port), "info", "server"], capture_output=True, text=True, timeout=2)
+        except subprocess.TimeoutExpired:
+            return False
+        return f"process_id:{self.proc.pid}" in out.stdout
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def llen(self, key: str) -> int:
+        out = subprocess.run(["redis-cli", "-p", str(self.port), "LLEN", key], capture_output=True, text=True, timeout=5)
+        return int(out.stdout.strip() or 0)
+
+    def flushall(self) -> None:
+        subprocess.run(["redis-cli", "-p", str(self.port), "FLUSHALL"], check=True, capture_output=True, timeout=5)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    server = PrivateRedis(tmp_path)
+    yield server
+    server.stop()
