@@ -6,13 +6,14 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import transaction
+from django.db import models, transaction
 from django.utils import timezone
 
 from jobs import schedule
 from jobs.models import Job
 from jobs.secrets import encrypt_headers, split_headers
 from runs import events
+from runs.delivery import iso_z
 from runs.models import Run
 from runs.services import is_held, run_create
 
@@ -74,7 +75,8 @@ def job_update(*, job: Job, fields: dict[str, Any], now: datetime | None = None)
         raise ValueError("the job is deleted")
     paused = fields.pop("paused", None)
     _apply_headers(job, fields.pop("headers", None), fields.pop("secret_headers", None))
-    timing_changed = any(k in TIMING_FIELDS and getattr(job, k) != v for k, v in fields.items())
+    changed = {k for k, v in fields.items() if k in TIMING_FIELDS and getattr(job, k) != v}
+    timing_changed = bool(changed)
     if "schedule" in fields and fields["schedule"]:
         fields.setdefault("run_at", None)
     if "run_at" in fields and fields["run_at"] is not None:
@@ -84,11 +86,13 @@ def job_update(*, job: Job, fields: dict[str, Any], now: datetime | None = None)
     job.save()
     if timing_changed and job.state != Job.State.COMPLETED:
         _replace_waiting_run(job, now)
-    if timing_changed and job.state == Job.State.COMPLETED and job.is_recurring:
+    if job.state == Job.State.COMPLETED and (job.is_recurring and timing_changed or "run_at" in changed):
+        # A new schedule, or a new time for a one-off that has run, starts it again
+        # (a new window or zone alone does not: the one-off's time has been).
         job.state = Job.State.PAUSED if job.paused else Job.State.ACTIVE
         job.save(update_fields=["state", "updated_at"])
         if open_run(job) is None:
-            run_create(job=job, scheduled_for=first_run_time(job, now), now=now)
+            _create_or_reopen_run(job, first_run_time(job, now), now)
     if paused is True and not job.paused:
         job_pause(job=job, now=now)
     elif paused is False and job.paused:
@@ -101,17 +105,52 @@ def _replace_waiting_run(job: Job, now: datetime) -> None:
     waiting = open_run(job, lock=True)
     if waiting is not None and (waiting.status != S.SCHEDULED or waiting.attempt > 0):
         return  # on its way or retrying: the new timing applies from the next run on
+    new_time = first_run_time(job, now)
+    if waiting is not None and waiting.scheduled_for == new_time:
+        # Same time (only the window changed, or the same schedule spelt differently):
+        # a new row would break runs_one_run_per_time, so re-spread this one.
+        due_at = schedule.spread_due_at(job.pk, new_time, timedelta(seconds=job.window_seconds))
+        if due_at != waiting.due_at:
+            Run.objects.filter(pk=waiting.pk).update(due_at=due_at)
+            events.record(waiting.pk, "rescheduled", now, due_at=iso_z(due_at), reason="the job's window changed")
+        return
     if waiting is not None:
         Run.objects.filter(pk=waiting.pk).update(status=S.CANCELLED, finished_at=now)
         events.record(waiting.pk, "cancelled", now, reason="the job's timing changed")
-    run_create(job=job, scheduled_for=first_run_time(job, now), now=now, reason="the job's timing changed")
+    _create_or_reopen_run(job, new_time, now)
+
+
+def _create_or_reopen_run(job: Job, when: datetime, now: datetime) -> Run:
+    """The job's run at `when`. A time can already have a row (one run per job and time):
+    a run cancelled by an earlier change (schedule A -> B -> A) is opened again; a run
+    that already happened is a ValueError, so the caller hears why (the API's 400)."""
+    reason = "the job's timing changed"
+    earlier = Run.objects.select_for_update().filter(job=job, scheduled_for=when).first()
+    if earlier is None:
+        return run_create(job=job, scheduled_for=when, now=now, reason=reason)
+    if earlier.status != S.CANCELLED:
+        raise ValueError(f"{job.public_id} already has a run at {iso_z(when)} ({earlier.status}); choose another time")
+    due_at = schedule.spread_due_at(job.pk, when, timedelta(seconds=job.window_seconds))
+    Run.objects.filter(pk=earlier.pk).update(
+        status=S.SCHEDULED, due_at=due_at, held=is_held(job), finished_at=None, queued_at=None,
+        is_backfill=False,
+    )
+    events.record(earlier.pk, "scheduled", now, scheduled_for=iso_z(when), due_at=iso_z(due_at), reason=reason)
+    earlier.refresh_from_db()
+    return earlier
+
+
+def _live(job: Job) -> models.QuerySet[Job]:
+    return Job.objects.filter(pk=job.pk, state__in=(Job.State.ACTIVE, Job.State.PAUSED))
 
 
 @transaction.atomic
 def job_pause(*, job: Job, now: datetime | None = None) -> Job:
     """Its open run does not start while paused (a run already running finishes)."""
     now = now or timezone.now()
-    Job.objects.filter(pk=job.pk).update(paused=True, state=Job.State.PAUSED, updated_at=now)
+    Job.objects.filter(pk=job.pk).update(paused=True, updated_at=now)
+    # Only a live job's state follows `paused`: a completed or deleted one keeps its state.
+    _live(job).update(state=Job.State.PAUSED)
     waiting = open_run(job, lock=True)
     if waiting is not None and waiting.status in (S.SCHEDULED, S.QUEUED):
         # A queued message then finds nothing to claim.
@@ -125,7 +164,8 @@ def job_pause(*, job: Job, now: datetime | None = None) -> Job:
 def job_resume(*, job: Job, now: datetime | None = None) -> Job:
     """The waiting run is released; the scanner applies the misfire policy if it is late."""
     now = now or timezone.now()
-    Job.objects.filter(pk=job.pk).update(paused=False, state=Job.State.ACTIVE, updated_at=now)
+    Job.objects.filter(pk=job.pk).update(paused=False, updated_at=now)
+    _live(job).update(state=Job.State.ACTIVE)
     job.refresh_from_db()
     waiting = open_run(job, lock=True)
     if waiting is not None and waiting.held and not is_held(job):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fnmatch
 import ipaddress
+import re
 import socket
 from urllib.parse import urlsplit
 
@@ -82,6 +83,11 @@ def validate_method(method: str) -> str:
     return upper
 
 
+# RFC 9110 "token": what a header name may be made of. Anything else (a NUL, a
+# control character) would fail later, in PostgreSQL or in the call itself.
+_TOKEN_RE = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+
+
 def validate_header_name(name: str) -> None:
-    if not name or any(c in name for c in " :\r\n\t") or not name.isascii():
+    if not name or any(c in name for c in " :\r\n\t") or not name.isascii() or not _TOKEN_RE.fullmatch(name):
         raise ValueError(f"{name!r} is not a valid HTTP header name")

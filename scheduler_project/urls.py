@@ -1,6 +1,31 @@
+"""URLs: the admin, the REST API under /api/, its OpenAPI schema and docs page."""
+from __future__ import annotations
+
+from django.conf import settings
 from django.contrib import admin
 from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+from rest_framework.routers import SimpleRouter
+
+from jobs.api import JobViewSet, RunViewSet
+from scheduler_project import demo
+
+# SimpleRouter, not DefaultRouter: no browsable API root view to document or guard.
+router = SimpleRouter()
+router.register("jobs", JobViewSet, basename="job")
+router.register("runs", RunViewSet, basename="run")
 
 urlpatterns = [
     path("admin/", admin.site.urls),
+    path("api/", include(router.urls)),
+    # drf-spectacular's defaults leave these two readable without a token (documentation,
+    # no data), so a browser can open the docs page; its assets are served from
+    # drf-spectacular-sidecar's static files, not a CDN.
+    path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
+    # --- metrics: path("metrics", ...) goes here (Prometheus text format, CONTRACT "Operations surface").
 ]
+
+if settings.EMBEDDED:
+    # The embedded mode's built-in echo target (a real target, on the receiver helper).
+    urlpatterns.append(path("demo/echo/", demo.echo, name="demo-echo"))

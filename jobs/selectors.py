@@ -1,0 +1,70 @@
+"""Reads. The one place that scopes querysets to the caller.
+
+Every API read goes through `jobs_for` / `runs_for`, so "a service sees only its
+own" is decided here and nowhere else: another service's object is simply not in
+the queryset, which the views turn into a 404 (never a 403, which would confirm
+that the id exists).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from django.db.models import Prefetch, QuerySet
+
+from jobs.models import Job
+from runs.models import Run, RunEvent
+
+# The statuses `?status=` accepts, in the order the docs list them.
+RUN_STATUSES: tuple[str, ...] = tuple(Run.Status.values)
+
+
+def _sees_all(user: Any) -> bool:
+    return bool(getattr(user, "is_staff", False))
+
+
+def _open_runs() -> Prefetch:
+    # One extra query for a whole page of jobs, instead of one per job for `next_run`.
+    query = Run.objects.filter(status__in=Run.OPEN, is_backfill=False).order_by("scheduled_for")
+    return Prefetch("runs", queryset=query, to_attr="open_runs")
+
+
+def jobs_for(user: Any) -> QuerySet[Job]:
+    """The jobs `user` may see, newest first, with their open run prefetched."""
+    jobs = Job.objects.all() if _sees_all(user) else Job.objects.filter(owner=user)
+    return jobs.prefetch_related(_open_runs()).order_by("-id")
+
+
+def job_get(user: Any, job_id: int) -> Job | None:
+    return jobs_for(user).filter(pk=job_id).first()
+
+
+def runs_for(user: Any) -> QuerySet[Run]:
+    """The runs `user` may see (those of its jobs), newest first (by id, which
+    `runs_status_idx` serves for the dead list)."""
+    runs = Run.objects.all() if _sees_all(user) else Run.objects.filter(job__owner=user)
+    return runs.order_by("-id")
+
+
+def job_runs(job: Job) -> QuerySet[Run]:
+    """One job's runs, newest scheduled time first (a backfill sorts by its time,
+    not by when it was made)."""
+    return Run.objects.filter(job=job).order_by("-scheduled_for", "-id")
+
+
+def run_get(user: Any, run_id: int) -> Run | None:
+    """One run with its whole timeline, oldest event first (RunEvent's ordering)."""
+    events = Prefetch("events", queryset=RunEvent.objects.order_by("at", "id"))
+    return runs_for(user).prefetch_related(events).filter(pk=run_id).first()
+
+
+def runs_with_status(runs: QuerySet[Run], status: str | None) -> QuerySet[Run]:
+    """`?status=` filter; the caller has already checked `status` is one of RUN_STATUSES."""
+    return runs.filter(status=status) if status else runs
+
+
+def open_run_of(job: Job) -> Run | None:
+    """The job's open non-backfill run, from the prefetch when there is one."""
+    prefetched = getattr(job, "open_runs", None)
+    if prefetched is not None:
+        return prefetched[0] if prefetched else None
+    return Run.objects.filter(job=job, status__in=Run.OPEN, is_backfill=False).first()

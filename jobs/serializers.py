@@ -1,0 +1,564 @@
+"""The API's shapes: job input is checked here, field by field, in words.
+
+Every check a user can fail says what is wrong and names the field, using the
+sentences from `jobs.schedule` and `jobs.validators` so the API and the admin
+say the same thing. Nothing here writes: `JobSerializer.service_fields()` hands
+the checked values to `jobs.services`.
+
+Bounds chosen where the CONTRACT is silent (they are in the error texts too):
+window 0s..1d; delay 0s..365d; timeout 1s..1h; retry.max 0..100;
+retry.base 1s..1d; retry.cap 1s..7d and at least base; headers at most 16 KiB
+in all; payload at most settings.MAX_PAYLOAD_BYTES as sent, nested at most 64
+deep; an `at` no more than a year in the past nor 100 years ahead.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.utils import timezone
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import extend_schema_field
+from rest_framework import serializers
+from rest_framework.exceptions import ValidationError
+
+from jobs import schedule, selectors
+from jobs.models import Job
+from jobs.public_ids import format_id
+from jobs.secrets import REDACTED, decrypt_headers, is_secret, redacted_names
+from jobs.validators import validate_header_name, validate_method, validate_target
+from runs.models import Run, RunEvent
+
+TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
+MAX_HEADERS_BYTES = 16 * 1024
+MAX_SECRET_HEADER_NAMES = 100
+MAX_PAYLOAD_DEPTH = 64
+# The worker sets these on every call (CONTRACT "What a target receives"); a job's
+# own value would be overwritten, so refusing it up front says so instead.
+SET_BY_SCHEDULER = frozenset(
+    {"idempotency-key", "x-fence-token", "x-run-id", "x-attempt", "x-scheduled-for", "x-signature"}
+)
+AT_PAST_LIMIT = timedelta(days=366)
+AT_FUTURE_LIMIT = timedelta(days=100 * 366)
+TIMING_INPUTS = ("schedule", "at", "delay")
+_DURATION_PATTERN = r"^[0-9]+[smhd]$"
+
+
+def iso_z(value: datetime) -> str:
+    """ISO 8601 UTC with a Z, whole seconds (the CONTRACT's one time format)."""
+    return value.astimezone(UTC).strftime(TIME_FORMAT)
+
+
+def json_type_name(value: Any) -> str:
+    """The JSON name of a parsed value's type, for messages a JSON user can read."""
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return "a number"
+    return names.get(type(value), type(value).__name__)
+
+
+# --------------------------------------------------------------------------- fields
+
+
+class UtcTimeField(serializers.DateTimeField):
+    """Output only: `2026-10-28T20:30:00Z` (a stored fraction is dropped)."""
+
+    def to_representation(self, value: datetime) -> str:
+        return iso_z(value)
+
+
+@extend_schema_field({"type": "string", "pattern": _DURATION_PATTERN, "example": "5m"})
+class DurationField(serializers.Field):
+    """A duration string ("90s", "5m", "2h", "1d") in, whole seconds (int) out to the
+    model; and back to the largest whole unit on the way out."""
+
+    def __init__(self, *, low: timedelta, high: timedelta, **kwargs: Any) -> None:
+        self.low, self.high = low, high
+        super().__init__(**kwargs)
+
+    def _bounds(self) -> str:
+        return f"between {schedule.format_duration(self.low)} and {schedule.format_duration(self.high)}"
+
+    def to_internal_value(self, data: Any) -> int:
+        if not isinstance(data, str):
+            raise ValidationError(f"must be a duration string like '5m' ({self._bounds()}), not {json_type_name(data)}")
+        try:
+            value = schedule.parse_duration(data)
+        except ValueError as exc:
+            raise ValidationError(str(exc)) from exc
+        if not self.low <= value <= self.high:
+            raise ValidationError(f"must be {self._bounds()}, not {data.strip()!r}")
+        return int(value.total_seconds())
+
+    def to_representation(self, value: int) -> str:
+        return schedule.format_duration(timedelta(seconds=value))
+
+
+class ScheduleField(serializers.CharField):
+    """A 5-field cron expression; a one-off job has none, shown as null."""
+
+    def to_representation(self, value: str) -> str | None:
+        return value or None
+
+
+@extend_schema_field(OpenApiTypes.DATETIME)
+class AtField(serializers.Field):
+    """`at` in: the raw string, resolved in JobSerializer.validate once the time zone
+    is known. Out: the one-off time (`Job.run_at`) as ISO Z."""
+
+    def to_internal_value(self, data: Any) -> str:
+        if not isinstance(data, str):
+            example = "2026-10-28T20:30:00Z"
+            raise ValidationError(f"must be an ISO 8601 time string like {example!r}, not {json_type_name(data)}")
+        return data
+
+    def to_representation(self, value: datetime) -> str:
+        return iso_z(value)
+
+
+class BlankAsNullEmailField(serializers.EmailField):
+    """`notify`: null in or out means "none" (the model stores a blank string)."""
+
+    def to_representation(self, value: str) -> str | None:
+        return value or None
+
+
+def _header_problems(name: Any, value: Any) -> list[str]:
+    if not isinstance(name, str):
+        return [f"{name!r} is not a header name"]
+    try:
+        validate_header_name(name)
+    except ValueError as exc:
+        return [str(exc)]
+    if name.lower() in SET_BY_SCHEDULER:
+        return [f"{name!r} is set by the scheduler on every call and cannot be given"]
+    if not isinstance(value, str):
+        return [f"the value of {name!r} must be a string, not {json_type_name(value)}"]
+    if any(c in value for c in "\r\n\x00"):
+        return [f"the value of {name!r} must not contain line breaks or NUL characters"]
+    return []
+
+
+@extend_schema_field(
+    {
+        "type": "object",
+        "additionalProperties": {"type": "string"},
+        "description": "Sent as given; secret ones (Authorization, Cookie, Proxy-Authorization and "
+        "those named in secret_headers) are stored encrypted and shown as \"***\".",
+    }
+)
+class HeadersField(serializers.Field):
+    """Header names to values. Out: the plain ones in clear, the secret ones as "***"."""
+
+    def get_attribute(self, instance: Job) -> Job:
+        # The output needs both the plain headers and the names of the encrypted ones.
+        return instance
+
+    def to_representation(self, job: Job) -> dict[str, str]:
+        merged = dict(job.headers or {})
+        merged.update({name: REDACTED for name in redacted_names(job.secret_headers)})
+        return merged
+
+    def to_internal_value(self, data: Any) -> dict[str, str]:
+        if not isinstance(data, dict):
+            raise ValidationError(f"must be an object of header names to string values, not {json_type_name(data)}")
+        problems = [p for name, value in data.items() for p in _header_problems(name, value)]
+        problems += _duplicate_names(list(data))
+        if not problems:
+            size = sum(len(k.encode()) + len(v.encode()) for k, v in data.items())
+            if size > MAX_HEADERS_BYTES:
+                problems.append(f"the headers are {size} bytes in all; the limit is {MAX_HEADERS_BYTES} (16 KiB)")
+        if problems:
+            raise ValidationError(problems)
+        return dict(data)
+
+
+def _duplicate_names(names: list[str]) -> list[str]:
+    # Header names ignore case on the wire: two spellings would send one of them at random.
+    seen: set[str] = set()
+    problems = []
+    for name in names:
+        key = str(name).lower()
+        if key in seen:
+            problems.append(f"{name!r} is given twice (header names ignore case)")
+        seen.add(key)
+    return problems
+
+
+def _payload_problem(data: Any) -> str | None:
+    """What PostgreSQL's jsonb or the call to the target would choke on, in words.
+    Iterative, so a deeply nested payload cannot exhaust the stack here."""
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_PAYLOAD_DEPTH:
+            return f"is nested more than {MAX_PAYLOAD_DEPTH} levels deep"
+        if isinstance(value, str) and "\x00" in value:
+            return "must not contain NUL characters (\\u0000)"
+        if isinstance(value, float) and not math.isfinite(value):
+            return "must not contain NaN or infinite numbers"
+        if isinstance(value, dict):
+            if any("\x00" in key for key in value):
+                return "must not contain NUL characters (\\u0000)"
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
+    return None
+
+
+@extend_schema_field(OpenApiTypes.ANY)
+class PayloadField(serializers.JSONField):
+    """Any JSON, sent as the body; its size is counted as the bytes actually sent."""
+
+    def to_internal_value(self, data: Any) -> Any:
+        problem = _payload_problem(data)
+        if problem:
+            raise ValidationError(problem)
+        # The same encoding the worker sends (runs.delivery.build_request).
+        size = len(json.dumps(data, separators=(",", ":")).encode())
+        limit = settings.MAX_PAYLOAD_BYTES
+        if size > limit:
+            raise ValidationError(f"is {size} bytes as JSON; the limit is {limit} bytes ({limit // 1024} KiB)")
+        return data
+
+
+# --------------------------------------------------------------------------- input checks
+
+
+class StrictFieldsMixin:
+    """Unknown fields are refused, not ignored: a typo ("shedule") must not pass silently."""
+
+    def _unknown_field_errors(self, data: Any) -> dict[str, list[str]]:
+        if not isinstance(data, Mapping):
+            return {}
+        fields = self.fields  # type: ignore[attr-defined]
+        writable = {name for name, field in fields.items() if not field.read_only}
+        known = ", ".join(sorted(writable))
+        errors = {}
+        for key in data:
+            if key in writable:
+                continue
+            if key in fields:
+                errors[str(key)] = ["is read-only and cannot be set"]
+            else:
+                errors[str(key)] = [f"unknown field; the fields are {known}"]
+        return errors
+
+    def to_internal_value(self, data: Any) -> Any:
+        unknown = self._unknown_field_errors(data)
+        try:
+            value = super().to_internal_value(data)  # type: ignore[misc]
+        except ValidationError as exc:
+            detail = exc.detail if isinstance(exc.detail, dict) else {}
+            raise ValidationError({**unknown, **detail} if detail else exc.detail) from exc
+        if unknown:
+            raise ValidationError(unknown)
+        return value
+
+
+class RetrySerializer(StrictFieldsMixin, serializers.Serializer):
+    """`retry`, flattened onto the job's retry_* columns (source="*")."""
+
+    max = serializers.IntegerField(
+        source="retry_max",
+        required=False,
+        min_value=0,
+        max_value=100,
+        help_text="Tries after the first, 0 to 100 (default 3).",
+        error_messages={"min_value": "must be between 0 and 100", "max_value": "must be between 0 and 100"},
+    )
+    backoff = serializers.ChoiceField(
+        source="retry_backoff",
+        required=False,
+        choices=Job.Backoff.choices,
+        help_text="exponential (default), linear or fixed; always with jitter.",
+        error_messages={"invalid_choice": 'unknown backoff "{input}": use exponential, linear or fixed'},
+    )
+    base = DurationField(
+        source="retry_base_seconds",
+        required=False,
+        low=timedelta(seconds=1),
+        high=timedelta(days=1),
+        help_text='The first delay, 1s to 1d (default "10s").',
+    )
+    cap = DurationField(
+        source="retry_cap_seconds",
+        required=False,
+        low=timedelta(seconds=1),
+        high=timedelta(days=7),
+        help_text='The longest delay, 1s to 7d, at least base (default "1h").',
+    )
+
+
+class NextRunSerializer(serializers.Serializer):
+    id = serializers.CharField(source="public_id", read_only=True)
+    scheduled_for = UtcTimeField(read_only=True)
+    due_at = UtcTimeField(read_only=True)
+    status = serializers.ChoiceField(choices=Run.Status.choices, read_only=True)
+
+
+def _seconds_text(seconds: int) -> str:
+    return schedule.format_duration(timedelta(seconds=seconds))
+
+
+def _model_default(name: str) -> Any:
+    return Job._meta.get_field(name).get_default()
+
+
+class JobSerializer(StrictFieldsMixin, serializers.Serializer):
+    """A job, in and out. Input names are the CONTRACT's; `source` maps them onto the
+    model's columns, and `validate` turns schedule/at/delay into schedule/run_at."""
+
+    id = serializers.CharField(source="public_id", read_only=True, help_text="Like job_88213.")
+    name = serializers.CharField(required=False, allow_blank=True, max_length=200)
+    schedule = ScheduleField(
+        required=False, allow_null=True, max_length=200, help_text="A 5-field cron expression, in `timezone`."
+    )
+    at = AtField(
+        source="run_at",
+        required=False,
+        allow_null=True,
+        help_text="One time, ISO 8601; with no offset it is a wall-clock time in `timezone`. "
+        "A fraction is rounded up to the next whole second.",
+    )
+    delay = DurationField(
+        write_only=True,
+        required=False,
+        allow_null=True,
+        low=timedelta(0),
+        high=timedelta(days=365),
+        help_text="A duration from now (rounded up to the next whole second).",
+    )
+    timezone = serializers.CharField(required=False, max_length=64, help_text='An IANA name (default "UTC").')
+    target = serializers.CharField(help_text="An http(s) URL.")
+    method = serializers.CharField(
+        required=False, max_length=10, help_text="GET, POST (default), PUT, PATCH or DELETE."
+    )
+    headers = HeadersField(required=False)
+    secret_headers = serializers.ListField(
+        source="secret_header_names",
+        child=serializers.CharField(max_length=200),
+        required=False,
+        max_length=MAX_SECRET_HEADER_NAMES,
+        error_messages={"not_a_list": 'must be a list of header names, not {input_type}'},
+        help_text="Names of further headers to store encrypted and show as \"***\".",
+    )
+    payload = PayloadField(required=False, allow_null=True, help_text="Any JSON, sent as the body.")
+    window = DurationField(
+        source="window_seconds", required=False, low=timedelta(0), high=timedelta(days=1),
+        help_text='The run may start any time up to this long after its time, 0s to 1d (default "0s").',
+    )
+    misfire = serializers.ChoiceField(
+        required=False,
+        choices=Job.Misfire.choices,
+        error_messages={"invalid_choice": 'unknown misfire policy "{input}": use run_once, skip or run_all'},
+        help_text="run_once (default), skip or run_all.",
+    )
+    retry = RetrySerializer(
+        source="*",
+        required=False,
+        error_messages={"invalid": 'must be an object like {{"max": 5, "backoff": "exponential"}}, not {datatype}'},
+    )
+    timeout = DurationField(
+        source="timeout_seconds", required=False, low=timedelta(seconds=1), high=timedelta(hours=1),
+        help_text='How long one call may take, 1s to 1h (default "30s").',
+    )
+    notify = BlankAsNullEmailField(required=False, allow_null=True, allow_blank=True)
+    paused = serializers.BooleanField(required=False)
+    state = serializers.ChoiceField(choices=Job.State.choices, read_only=True)
+    next_run = serializers.SerializerMethodField()
+    created_at = UtcTimeField(read_only=True)
+    updated_at = UtcTimeField(read_only=True)
+
+    # ---- output
+
+    @extend_schema_field(NextRunSerializer(allow_null=True))
+    def get_next_run(self, job: Job) -> dict[str, Any] | None:
+        run = selectors.open_run_of(job)
+        return NextRunSerializer(run).data if run is not None else None
+
+    # ---- one field at a time
+
+    def validate_schedule(self, value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            schedule.validate_cron(value)
+        except ValueError as exc:
+            raise ValidationError(str(exc)) from exc
+        return " ".join(value.split())
+
+    def validate_timezone(self, value: str) -> str:
+        try:
+            schedule.get_zone(value)
+        except ValueError as exc:
+            raise ValidationError(str(exc)) from exc
+        return value
+
+    def validate_target(self, value: str) -> str:
+        try:
+            validate_target(value)
+        except ValueError as exc:
+            raise ValidationError(str(exc)) from exc
+        return value
+
+    def validate_method(self, value: str) -> str:
+        try:
+            return validate_method(value)
+        except ValueError as exc:
+            raise ValidationError(str(exc)) from exc
+
+    def validate_secret_headers(self, names: list[str]) -> list[str]:
+        problems = []
+        for name in names:
+            try:
+                validate_header_name(name)
+            except ValueError as exc:
+                problems.append(str(exc))
+        if problems:
+            raise ValidationError(problems)
+        return names
+
+    # ---- across fields
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        attrs = dict(attrs)
+        self._resolve_timing(attrs)
+        self._check_retry_cap(attrs)
+        self._keep_stored_secrets(attrs)
+        return attrs
+
+    def _zone(self, attrs: dict[str, Any]) -> str:
+        if "timezone" in attrs:
+            return attrs["timezone"]
+        return self.instance.timezone if self.instance is not None else _model_default("timezone")
+
+    def _resolve_timing(self, attrs: dict[str, Any]) -> None:
+        """Exactly one of schedule/at/delay on create, at most one on PATCH (it switches
+        the kind). A null counts as not given, so a job read back can be sent again."""
+        raw = {
+            "schedule": attrs.pop("schedule", None),
+            "at": attrs.pop("run_at", None),
+            "delay": attrs.pop("delay", None),
+        }
+        given = {name: value for name, value in raw.items() if value is not None}
+        if len(given) > 1:
+            both = " and ".join(given)
+            message = f"give only one of schedule, at or delay; this request gives {both}"
+            raise ValidationError({name: [message] for name in given})
+        if not given and self.instance is None:
+            message = "one of schedule (a cron expression), at (a time) or delay (a duration from now) is required"
+            raise ValidationError({name: [message] for name in TIMING_INPUTS})
+        if "schedule" in given:
+            attrs["schedule"] = given["schedule"]
+        elif "at" in given:
+            attrs["run_at"] = self._resolve_at(given["at"], self._zone(attrs))
+        elif "delay" in given:
+            attrs["run_at"] = schedule.round_up_to_second(timezone.now() + timedelta(seconds=given["delay"]))
+
+    def _resolve_at(self, text: str, zone: str) -> datetime:
+        try:
+            when = schedule.resolve_at(text, zone)
+        except (ValueError, OverflowError) as exc:
+            # OverflowError: a time at the very end of year 9999 cannot be rounded up.
+            message = str(exc) if isinstance(exc, ValueError) else f"{text!r} is out of range"
+            raise ValidationError({"at": [message]}) from exc
+        now = timezone.now()
+        if when < now - AT_PAST_LIMIT:
+            raise ValidationError({"at": [f"{text!r} is more than a year in the past"]})
+        if when > now + AT_FUTURE_LIMIT:
+            raise ValidationError({"at": [f"{text!r} is more than 100 years ahead"]})
+        return when
+
+    def _current(self, attrs: dict[str, Any], name: str) -> Any:
+        if name in attrs:
+            return attrs[name]
+        return getattr(self.instance, name) if self.instance is not None else _model_default(name)
+
+    def _check_retry_cap(self, attrs: dict[str, Any]) -> None:
+        base = self._current(attrs, "retry_base_seconds")
+        cap = self._current(attrs, "retry_cap_seconds")
+        if cap < base:
+            message = f"must be at least base ({_seconds_text(base)}), not {_seconds_text(cap)}"
+            raise ValidationError({"retry": {"cap": [message]}})
+
+    def _keep_stored_secrets(self, attrs: dict[str, Any]) -> None:
+        """On PATCH, a secret header sent back as "***" keeps its stored value (a job
+        read and sent back must not overwrite its credentials with the placeholder);
+        new secret_headers with no headers re-split the stored ones under the new names."""
+        job = self.instance
+        if job is None:
+            return
+        stored = decrypt_headers(job.secret_headers)
+        if "headers" not in attrs and "secret_header_names" in attrs:
+            attrs["headers"] = {**(job.headers or {}), **stored}
+            return
+        if "headers" in attrs:
+            names = attrs.get("secret_header_names", job.secret_header_names)
+            attrs["headers"] = {
+                key: stored[key] if value == REDACTED and key in stored and is_secret(key, names) else value
+                for key, value in attrs["headers"].items()
+            }
+
+    # ---- to the service
+
+    def service_fields(self) -> dict[str, Any]:
+        """validated_data under the names jobs.services takes (model columns, plus
+        `headers` and `secret_headers`, which the service splits and encrypts)."""
+        fields = dict(self.validated_data)
+        if "secret_header_names" in fields:
+            fields["secret_headers"] = fields.pop("secret_header_names")
+        if "notify" in fields and fields["notify"] is None:
+            fields["notify"] = ""
+        return fields
+
+
+# --------------------------------------------------------------------------- runs
+
+
+class RunSerializer(serializers.ModelSerializer):
+    id = serializers.CharField(source="public_id", read_only=True, help_text="Like run_5521.")
+    job = serializers.SerializerMethodField()
+    scheduled_for = UtcTimeField(read_only=True, help_text="The nominal time.")
+    due_at = UtcTimeField(read_only=True, help_text="When it may start: inside the window, or the retry time.")
+    idempotency_key = serializers.CharField(read_only=True, help_text="<job id>@<scheduled_for>")
+    started_at = UtcTimeField(read_only=True, allow_null=True)
+    finished_at = UtcTimeField(read_only=True, allow_null=True)
+
+    class Meta:
+        model = Run
+        fields = (
+            "id", "job", "scheduled_for", "due_at", "status", "attempt", "fence",
+            "idempotency_key", "started_at", "finished_at", "last_error",
+        )
+        read_only_fields = fields
+
+    def get_job(self, run: Run) -> str:
+        return format_id("job", run.job_id)
+
+
+@extend_schema_field({"type": "object", "additionalProperties": {}, "example": {"fence": 41, "worker": "w1"}})
+class EventDetailField(serializers.JSONField):
+    """An event's detail: an object whose keys depend on the event's type."""
+
+
+class RunEventSerializer(serializers.ModelSerializer):
+    at = UtcTimeField(read_only=True)
+    detail = EventDetailField(read_only=True)
+
+    class Meta:
+        model = RunEvent
+        fields = ("at", "type", "detail")
+        read_only_fields = fields
+
+
+class RunDetailSerializer(RunSerializer):
+    events = RunEventSerializer(many=True, read_only=True, help_text="The run's timeline, oldest first.")
+
+    class Meta(RunSerializer.Meta):
+        fields = (*RunSerializer.Meta.fields, "events")
+        read_only_fields = fields
