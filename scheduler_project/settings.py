@@ -185,12 +185,13 @@ CACHES = {
 CELERY_BROKER_URL = env_str("CELERY_BROKER_URL") or "filesystem://"
 if CELERY_BROKER_URL == "filesystem://":
     _broker_dir = DATA_DIR / "broker"
-    for _sub in ("in", "processed"):
+    for _sub in ("in", "processed", "control"):
         (_broker_dir / _sub).mkdir(parents=True, exist_ok=True)
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "data_folder_in": str(_broker_dir / "in"),
         "data_folder_out": str(_broker_dir / "in"),
         "processed_folder": str(_broker_dir / "processed"),
+        "control_folder": str(_broker_dir / "control"),
         "store_processed": False,
     }
 CELERY_TASK_IGNORE_RESULT = True
