@@ -79,3 +79,48 @@ class Job(models.Model):
     def partition(self) -> int:
         # Every run of a job lives in the job's partition; fixed per deployment.
         return self.pk % settings.SCHEDULER_PARTITIONS
+
+
+class SigningSecret(models.Model):
+    """A service's key for X-Signature. After a rotation the old one signs too until `retires_at`."""
+
+    service = models.ForeignKey(ServiceAccount, on_delete=models.CASCADE, related_name="signing_secrets")
+    secret = models.TextField()  # encrypted at rest (jobs.secrets)
+    created_at = models.DateTimeField(auto_now_add=True)
+    retires_at = models.DateTimeField(null=True, blank=True)  # null: current
+
+    class Meta:
+        db_table = "signing_secrets"
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.service} secret {self.pk}"
+
+
+class AuditEntry(models.Model):
+    """Who did what to which job or run, when, and from where."""
+
+    class Via(models.TextChoices):
+        API = "api"
+        ADMIN = "admin"
+        COMMAND = "command"
+
+    at = models.DateTimeField(db_index=True)
+    actor = models.CharField(max_length=150)  # a user name, a service name, or the command's OS user
+    via = models.CharField(max_length=16, choices=Via.choices)
+    action = models.CharField(max_length=40)  # created, changed, paused, resumed, triggered, requeued, deleted...
+    object_type = models.CharField(max_length=16)  # job, run, service, target
+    object_id = models.CharField(max_length=64)
+    owner = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )  # whose job or run it was: scopes the audit log per service
+    remote_addr = models.CharField(max_length=64, blank=True)
+    detail = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        db_table = "audit_log"
+        ordering = ["-at", "-id"]
+        indexes = [models.Index(fields=["object_type", "object_id"], name="audit_object_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.at:%Y-%m-%dT%H:%M:%SZ} {self.actor} {self.action} {self.object_type} {self.object_id}"

@@ -36,6 +36,9 @@ class Run(models.Model):
     finished_at = models.DateTimeField(null=True, blank=True)
     last_error = models.TextField(blank=True)
     is_backfill = models.BooleanField(default=False)
+    # The dead list: an operator marks a dead run handled (or requeues it).
+    handled_at = models.DateTimeField(null=True, blank=True)
+    handled_by = models.CharField(max_length=150, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
