@@ -8,6 +8,7 @@ publishes again. A run published twice is claimed once (the fence).
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -99,19 +100,26 @@ def _misfire(run: Run, now: datetime, result: ScanResult) -> None:
     """A run found past its window plus the grace: the job's misfire policy decides."""
     job = run.job
     missed: list[datetime] = []
+    missed_count = 0
     next_future = None
     if job.is_recurring:
-        cap = settings.SCHEDULER_MISFIRE_MAX_SKIPPED
+        # Keep only the most recent missed times: a job down for a year at one run a
+        # minute would otherwise write 500k `skipped` rows. Keeping the latest ones
+        # means the schedule goes on from now, not from a year ago.
+        recent: deque[datetime] = deque(maxlen=settings.SCHEDULER_MISFIRE_MAX_SKIPPED)
         for t in schedule.cron_times(job.schedule, job.timezone, run.scheduled_for, now + timedelta(seconds=1)):
-            missed.append(t)
-            if len(missed) >= cap:
-                break  # a job down for a year at one run a minute would otherwise write 500k rows
+            recent.append(t)
+            missed_count += 1
+        missed = list(recent)
         next_future = schedule.next_cron_time(job.schedule, job.timezone, max([now, *missed]))
     decision = schedule.misfire_decision(
         policy=job.misfire, late_time=run.scheduled_for, missed_after=missed, next_future=next_future
     )
     result.misfired += 1
-    found: list[RunEvent] = [events.event(run.pk, "misfired", now, policy=job.misfire, late_by_s=int((now - run.scheduled_for).total_seconds()))]
+    late_by = int((now - run.scheduled_for).total_seconds())
+    found: list[RunEvent] = [
+        events.event(run.pk, "misfired", now, policy=job.misfire, late_by_s=late_by, other_missed_times=missed_count)
+    ]
     if decision.run_late:
         claims.mark_queued(run_ids=[run.pk], now=now)
         found.append(events.event(run.pk, "queued", now))

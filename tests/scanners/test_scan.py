@@ -136,3 +136,15 @@ def test_a_queued_run_nobody_claimed_is_published_again(service: Any) -> None:
     [run_id] = scan_once(partitions=ALL, now=T0 + timedelta(seconds=31), publish=False).queued
     assert scan_once(partitions=ALL, now=T0 + timedelta(seconds=50), publish=False).republished == []
     assert scan_once(partitions=ALL, now=T0 + timedelta(seconds=62), publish=False).republished == [run_id]
+
+
+@override_settings(SCHEDULER_MISFIRE_GRACE=60, SCHEDULER_MISFIRE_MAX_SKIPPED=5)
+def test_a_long_outage_records_only_the_latest_missed_times_and_goes_on_from_now(service: Any) -> None:
+    job = per_minute(service.user, misfire="skip")
+    back = utc("2026-10-28T22:30:30Z")  # two hours down: 121 missed times
+    scan_once(partitions=ALL, now=back, publish=False)
+    skipped = Run.objects.filter(job=job, status=S.SKIPPED).order_by("scheduled_for")
+    assert [f"{r.scheduled_for:%H:%M}" for r in skipped] == ["20:30", "22:26", "22:27", "22:28", "22:29", "22:30"]
+    assert Run.objects.get(job=job, status=S.SCHEDULED).scheduled_for == utc("2026-10-28T22:31:00Z")
+    misfired = skipped[0].events.get(type="misfired")
+    assert misfired.detail["other_missed_times"] == 120
