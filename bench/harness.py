@@ -1,0 +1,278 @@
+"""The production layout for benches: a bench database, a Redis db, a ZooKeeper of
+its own, scanner and worker processes, a no-op target, and CPU accounting.
+
+Everything runs on loopback, every process started here is ended here by its id,
+and every wait is bounded.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv" / "bin" / "python").exists() else sys.executable
+BENCH_DB = os.environ.get("BENCH_DB", "sched_bench")
+PG = os.environ.get("BENCH_PG", "postgres://postgres@127.0.0.1:5432")
+REDIS_DB = os.environ.get("BENCH_REDIS_DB", "8")
+ZK_PORT = int(os.environ.get("BENCH_ZK_PORT", "21812"))
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def bench_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        {
+            "DATABASE_URL": f"{PG}/{BENCH_DB}",
+            "SECRET_KEY": "bench-only-secret-key-0123456789abcdefghijklmnopqrstuvwxyz",
+            "CELERY_BROKER_URL": f"redis://127.0.0.1:6379/{REDIS_DB}",
+            "ZOOKEEPER_HOSTS": f"127.0.0.1:{ZK_PORT}",
+            "SCHEDULER_ZK_ROOT": "/scheduler-bench",
+            "SCHEDULER_LOG_LEVEL": "WARNING",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    env.update(extra)
+    return env
+
+
+def setup_django(**extra: str) -> None:
+    """Point this process at the bench database and set Django up."""
+    os.environ.update(bench_env(**extra))
+    sys.path.insert(0, str(ROOT))
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "scheduler_project.settings")
+    import django
+
+    django.setup()
+
+
+def machine() -> dict[str, Any]:
+    mem_kb = 0
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                mem_kb = int(line.split()[1])
+    model = ""
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return {
+        "cores": os.cpu_count(),
+        "memory_gib": round(mem_kb / 1024 / 1024, 1),
+        "cpu": model,
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+    }
+
+
+def sh(*argv: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(argv), check=True, capture_output=True, text=True, timeout=kwargs.pop("timeout", 600), **kwargs)
+
+
+def psql(sql: str, db: str = "postgres") -> str:
+    return sh("psql", f"{PG}/{db}", "-Atc", sql).stdout.strip()
+
+
+def reset_database() -> None:
+    psql(f"DROP DATABASE IF EXISTS {BENCH_DB} WITH (FORCE)")
+    psql(f"CREATE DATABASE {BENCH_DB}")
+    sh(PY, "manage.py", "migrate", "-v", "0", cwd=ROOT, env=bench_env())
+
+
+def reset_redis() -> None:
+    sh("redis-cli", "-n", REDIS_DB, "FLUSHDB")
+
+
+def start_zookeeper() -> None:
+    sh("bash", str(ROOT / "scripts" / "zookeeper.sh"), "start", str(ZK_PORT), f"/tmp/scheduler-zookeeper-bench-{ZK_PORT}")
+
+
+def stop_zookeeper() -> None:
+    subprocess.run(
+        ["bash", str(ROOT / "scripts" / "zookeeper.sh"), "stop", str(ZK_PORT), f"/tmp/scheduler-zookeeper-bench-{ZK_PORT}"],
+        capture_output=True, timeout=60,
+    )
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        # utime, stime, cutime, cstime (children already reaped count in c*)
+        return (int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])) / TICKS
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return 0.0
+
+
+def group_pids(pgid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if int(fields[2]) == pgid:
+                    pids.append(int(entry))
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                continue
+    return pids
+
+
+def named_pids(name: str) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/comm") as f:
+                    if f.read().strip() == name:
+                        pids.append(int(entry))
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+    return pids
+
+
+def cpu_of(pids: list[int]) -> float:
+    return sum(proc_cpu_seconds(p) for p in pids)
+
+
+@dataclass
+class Proc:
+    kind: str
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def cpu(self) -> float:
+        return cpu_of(group_pids(self.pid))
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        try:
+            os.killpg(self.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.kill(signal.SIGCONT)
+            self.kill(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill(signal.SIGKILL)
+        try:
+            self.popen.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@dataclass
+class Layout:
+    """The processes of one bench run."""
+
+    env: dict[str, str]
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="sched-bench-")))
+    procs: list[Proc] = field(default_factory=list)
+
+    def start(self, kind: str, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
+        log = self.workdir / f"{name}.log"
+        popen = subprocess.Popen(
+            argv, cwd=ROOT, env=env or self.env, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True
+        )
+        proc = Proc(kind, name, popen, log)
+        self.procs.append(proc)
+        return proc
+
+    def scanner(self, name: str = "scanner-1") -> Proc:
+        return self.start("scanner", name, [PY, "manage.py", "scanner", "--identifier", name])
+
+    def worker(self, name: str = "worker-1", concurrency: int = 4, pool: str = "prefork", extra: list[str] | None = None) -> Proc:
+        argv = [PY, "-m", "celery", "-A", "scheduler_project", "worker", "-l", "WARNING", "-c", str(concurrency),
+                "-P", pool, "-n", f"{name}@%h", "--without-heartbeat", "--without-gossip", "--without-mingle"]
+        return self.start("worker", name, argv + (extra or []))
+
+    def target(self, port: int, delay_ms: float = 0.0) -> Proc:
+        argv = [PY, str(ROOT / "bench" / "noop_target.py"), "--port", str(port), "--delay-ms", str(delay_ms),
+                "--log", str(self.workdir / f"arrivals-{port}.csv")]
+        proc = self.start("target", f"target-{port}", argv)
+        wait_for(lambda: "listening" in proc.output(), 10, "the target to listen")
+        return proc
+
+    def arrivals(self, port: int) -> list[tuple[float, int]]:
+        path = self.workdir / f"arrivals-{port}.csv"
+        rows = []
+        if path.exists():
+            for line in path.read_text().splitlines():
+                at, run_id = line.split(",", 1)
+                if run_id.startswith("run_"):
+                    rows.append((float(at), int(run_id[4:])))
+        return rows
+
+    def cpu_by_kind(self) -> dict[str, float]:
+        totals: dict[str, float] = {}
+        for proc in self.procs:
+            totals[proc.kind] = totals.get(proc.kind, 0.0) + proc.cpu()
+        totals["postgres"] = cpu_of(named_pids("postgres"))
+        totals["redis"] = cpu_of(named_pids("redis-server"))
+        return totals
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            proc.stop()
+
+    def cleanup(self) -> None:
+        self.stop_all()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, int(round(q / 100 * (len(ordered) - 1)))))
+    return ordered[index]
+
+
+def write_result(scenario: str, summary: dict[str, Any]) -> Path:
+    out = ROOT / "bench" / "results" / f"{scenario}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    summary = {"scenario": scenario, "machine": machine(), "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **summary}
+    out.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def print_table(title: str, rows: list[tuple[str, Any]]) -> None:
+    width = max(len(k) for k, _ in rows)
+    print(f"\n{title}")
+    print("-" * (width + 24))
+    for key, value in rows:
+        shown = f"{value:,.3f}" if isinstance(value, float) else str(value)
+        print(f"{key:<{width}}  {shown}")

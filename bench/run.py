@@ -1,0 +1,52 @@
+"""Benches on the production layout: `python bench/run.py SCENARIO [options]`.
+
+Scenarios: sustained, spike, scan, beat, failover, limits. Each prints a table
+and writes bench/results/<scenario>.json (with the machine it ran on).
+PostgreSQL and Redis must be up (scripts/test.sh leaves them so); the bench
+starts its own ZooKeeper on BENCH_ZK_PORT (21812) and its own target.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import scenarios  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="scenario", required=True)
+
+    p = sub.add_parser("sustained", help="runs due at a steady offered rate")
+    p.add_argument("--rate", type=int, default=650, help="offered runs per second")
+    p.add_argument("--minutes", type=int, default=2)
+    p.add_argument("--delay-ms", type=float, default=0.0, help="target latency")
+    scenarios.add_layout_options(p)
+
+    p = sub.add_parser("spike", help="100,000 runs due at one instant, then spread over a window")
+    p.add_argument("--runs", type=int, default=100_000)
+    p.add_argument("--window", type=int, default=300, help="seconds; 0 skips the window part")
+    p.add_argument("--skip-instant", action="store_true")
+    scenarios.add_layout_options(p)
+
+    p = sub.add_parser("scan", help="the due query at 1e4..1e7 rows")
+    p.add_argument("--max-exp", type=int, default=7)
+
+    p = sub.add_parser("beat", help="side by side with celery beat + django-celery-beat")
+    p.add_argument("--schedules", type=int, default=10_000)
+    scenarios.add_layout_options(p)
+
+    p = sub.add_parser("failover", help="scanner and worker kill -9 to recovery")
+    p.add_argument("--lease", type=int, default=10)
+
+    sub.add_parser("limits", help="the parts' ceilings on this box")
+
+    args = parser.parse_args()
+    return int(getattr(scenarios, args.scenario)(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,280 @@
+"""The bench scenarios. Each takes argparse args, prints a table, writes a JSON summary."""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+from bench import harness
+from bench.harness import Layout, percentile, print_table, wait_for, write_result
+
+TARGET_PORT = 18081
+UTC = timezone.utc
+
+
+def add_layout_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workers", type=int, default=2, help="worker processes")
+    parser.add_argument("--concurrency", type=int, default=8, help="per worker process")
+    parser.add_argument("--pool", default="threads", choices=["prefork", "threads", "solo"])
+    parser.add_argument("--scanners", type=int, default=1)
+    parser.add_argument("--scan-interval", default="0.2")
+
+
+def _layout(args: argparse.Namespace, stats_dir: Path, **extra: str) -> Layout:
+    env = harness.bench_env(
+        SCHEDULER_SCAN_INTERVAL=args.scan_interval,
+        SCHEDULER_COUNT_STATEMENTS_DIR=str(stats_dir),
+        SCHEDULER_TARGET_CONCURRENCY="100000",
+        **extra,
+    )
+    return Layout(env=env)
+
+
+def _start_processes(layout: Layout, args: argparse.Namespace) -> None:
+    for i in range(args.scanners):
+        layout.scanner(f"scanner-{i + 1}")
+    for i in range(args.workers):
+        layout.worker(f"worker-{i + 1}", concurrency=args.concurrency, pool=args.pool)
+
+
+def _prepare(**django_env: str) -> None:
+    harness.setup_django(**django_env)
+    harness.reset_database()
+    harness.reset_redis()
+    harness.start_zookeeper()
+
+
+def _statements(stats_dir: Path) -> int:
+    total = 0
+    for path in stats_dir.glob("*.json"):
+        try:
+            total += json.loads(path.read_text())["statements"]
+        except (ValueError, KeyError):
+            continue
+    return total
+
+
+def _due_at_by_run(run_ids: list[int]) -> dict[int, datetime]:
+    from runs.models import Run
+
+    due: dict[int, datetime] = {}
+    for start in range(0, len(run_ids), 20_000):
+        chunk = run_ids[start : start + 20_000]
+        due.update(Run.objects.filter(pk__in=chunk).values_list("pk", "due_at"))
+    return due
+
+
+def _stop_target(target: harness.Proc) -> None:
+    target.kill(signal.SIGTERM)
+    target.popen.wait(timeout=30)
+
+
+def sustained(args: argparse.Namespace) -> int:
+    """`rate * 60` every-minute jobs, each run spread over a 59 s window: a steady offered rate."""
+    _prepare()
+    from bench import load
+
+    stats_dir = Path(harness.tempfile.mkdtemp(prefix="sched-stmts-"))
+    layout = _layout(args, stats_dir)
+    try:
+        target = layout.target(TARGET_PORT, args.delay_ms)
+        now = datetime.now(UTC)
+        first = (now + timedelta(seconds=75)).replace(second=0, microsecond=0)  # at least 15 s to warm up
+        count = args.rate * 60
+        load.cron_jobs_with_first_runs(
+            count=count, schedule_expr="* * * * *", target=f"http://127.0.0.1:{TARGET_PORT}/hook",
+            window_seconds=59, after=first - timedelta(seconds=1),
+        )
+        load.analyze()
+        _start_processes(layout, args)
+        end = first + timedelta(minutes=args.minutes)
+        _sleep_until(first)
+        cpu0, stmts0 = layout.cpu_by_kind(), _statements(stats_dir)
+        _sleep_until(end + timedelta(seconds=2))
+        cpu1, stmts1 = layout.cpu_by_kind(), _statements(stats_dir)
+        drain_deadline = time.time() + 60
+        _stop_processes_after_drain(layout, drain_deadline, lambda: _count_open_due(end))
+        _stop_target(target)
+        arrivals = [(at, rid) for at, rid in layout.arrivals(TARGET_PORT)]
+        due = _due_at_by_run([rid for _, rid in arrivals])
+        in_window = [(at, rid) for at, rid in arrivals if rid in due and first <= due[rid] < end]
+        lags = [at - due[rid].timestamp() for at, rid in in_window]
+        started_in_time = sum(1 for at, _ in in_window if at < end.timestamp() + 2)
+        seconds = (end - first).total_seconds()
+        done = len(in_window)
+        summary: dict[str, Any] = {
+            "offered_rate": args.rate,
+            "minutes": args.minutes,
+            "target_delay_ms": args.delay_ms,
+            "runs_due": args.rate * 60 * args.minutes,
+            "runs_called": done,
+            "runs_per_second": round(started_in_time / seconds, 1),
+            "lag_p50_s": round(percentile(lags, 50), 3),
+            "lag_p95_s": round(percentile(lags, 95), 3),
+            "lag_p99_s": round(percentile(lags, 99), 3),
+            "lag_max_s": round(max(lags), 3) if lags else None,
+            "cpu_s_per_run": {k: round((cpu1[k] - cpu0.get(k, 0.0)) / max(1, started_in_time), 6) for k in cpu1},
+            "statements_per_run": round((stmts1 - stmts0) / max(1, started_in_time), 2),
+            "layout": _layout_summary(args),
+        }
+        print_table("sustained", [(k, v) for k, v in summary.items() if not isinstance(v, dict)])
+        print("cpu seconds per run:", summary["cpu_s_per_run"])
+        print("written", write_result(args.out_name if hasattr(args, "out_name") else "sustained", summary))
+        return 0
+    finally:
+        layout.cleanup()
+        harness.stop_zookeeper()
+
+
+def spike(args: argparse.Namespace) -> int:
+    """100,000 runs due at one instant; then the same spread over a window."""
+    from bench import load
+
+    results: dict[str, Any] = {"runs": args.runs, "layout": _layout_summary(args)}
+    if not args.skip_instant:
+        _prepare()
+        stats_dir = Path(harness.tempfile.mkdtemp(prefix="sched-stmts-"))
+        layout = _layout(args, stats_dir)
+        try:
+            target = layout.target(TARGET_PORT)
+            at = (datetime.now(UTC) + timedelta(seconds=30)).replace(microsecond=0)
+            load.one_off_jobs(times=[at] * args.runs, target=f"http://127.0.0.1:{TARGET_PORT}/hook")
+            load.analyze()
+            _start_processes(layout, args)
+            _sleep_until(at)
+            _stop_processes_after_drain(layout, time.time() + 900, lambda: _count_open_due(at + timedelta(seconds=1)))
+            _stop_target(target)
+            arrivals = layout.arrivals(TARGET_PORT)
+            last = max(a for a, _ in arrivals)
+            results["all_started_s"] = round(last - at.timestamp(), 2)
+            results["started"] = len({rid for _, rid in arrivals})
+            results["drain_rate_per_s"] = round(results["started"] / results["all_started_s"], 1)
+        finally:
+            layout.cleanup()
+            harness.stop_zookeeper()
+    if args.window:
+        _prepare()
+        stats_dir = Path(harness.tempfile.mkdtemp(prefix="sched-stmts-"))
+        layout = _layout(args, stats_dir)
+        try:
+            target = layout.target(TARGET_PORT)
+            at = (datetime.now(UTC) + timedelta(seconds=30)).replace(microsecond=0)
+            ids = load.one_off_jobs(times=[at] * args.runs, target=f"http://127.0.0.1:{TARGET_PORT}/hook")
+            _spread_over_window(ids, at, args.window)
+            load.analyze()
+            _start_processes(layout, args)
+            _sleep_until(at + timedelta(seconds=args.window))
+            _stop_processes_after_drain(layout, time.time() + 600, lambda: _count_open_due(at + timedelta(seconds=args.window + 1)))
+            _stop_target(target)
+            per_second = _per_second([a for a, _ in layout.arrivals(TARGET_PORT)], at.timestamp(), args.window)
+            mean = sum(per_second) / len(per_second)
+            results["window_s"] = args.window
+            results["window_peak_per_s"] = max(per_second)
+            results["window_mean_per_s"] = round(mean, 1)
+            results["window_peak_to_mean"] = round(max(per_second) / mean, 3)
+            results["window_plot"] = _plot(per_second, "spike-window.png", f"{args.runs} runs due at one instant, {args.window} s window")
+        finally:
+            layout.cleanup()
+            harness.stop_zookeeper()
+    print_table("spike", [(k, v) for k, v in results.items() if not isinstance(v, dict)])
+    print("written", write_result("spike", results))
+    return 0
+
+
+def _spread_over_window(job_ids: list[int], at: datetime, window: int) -> None:
+    from django.db import connection
+
+    from jobs import schedule
+
+    with connection.cursor() as cursor:
+        cursor.execute("UPDATE jobs SET window_seconds = %s WHERE id = ANY(%s)", [window, job_ids])
+        rows = [(schedule.spread_due_at(j, at, timedelta(seconds=window)), j) for j in job_ids]
+        cursor.executemany("UPDATE runs SET due_at = %s WHERE job_id = %s", rows)
+
+
+def _per_second(arrivals: list[float], start: float, seconds: int) -> list[int]:
+    buckets = [0] * seconds
+    for at in arrivals:
+        i = int(at - start)
+        if 0 <= i < seconds:
+            buckets[i] += 1
+    return buckets
+
+
+def _plot(series: list[int], name: str, title: str) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib not installed (pip install -r bench/requirements.txt)"
+    path = harness.ROOT / "bench" / "results" / name
+    fig, ax = plt.subplots(figsize=(9, 3.5))
+    ax.plot(range(len(series)), series, linewidth=0.8)
+    ax.set_xlabel("seconds after the due time")
+    ax.set_ylabel("runs started per second")
+    ax.set_title(title)
+    ax.set_ylim(bottom=0)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path.relative_to(harness.ROOT))
+
+
+def _count_open_due(before: datetime) -> int:
+    from runs.models import Run
+
+    return Run.objects.filter(due_at__lt=before, status__in=Run.OPEN).count()
+
+
+def _stop_processes_after_drain(layout: Layout, deadline: float, open_count: Any) -> None:
+    """Wait until no run due in the measured range is open (or the deadline), then stop."""
+    while time.time() < deadline and open_count() > 0:
+        time.sleep(0.5)
+    time.sleep(0.5)
+    layout.stop_all()
+
+
+def _sleep_until(when: datetime) -> None:
+    delay = when.timestamp() - time.time()
+    if delay > 0:
+        time.sleep(delay)
+
+
+def _layout_summary(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "workers": args.workers,
+        "concurrency": args.concurrency,
+        "pool": args.pool,
+        "scanners": args.scanners,
+        "scan_interval_s": float(args.scan_interval),
+    }
+
+
+def scan(args: argparse.Namespace) -> int:
+    from bench import scan_scenario
+
+    return scan_scenario.run(args)
+
+
+def beat(args: argparse.Namespace) -> int:
+    from bench import beat_scenario
+
+    return beat_scenario.run(args)
+
+
+def failover(args: argparse.Namespace) -> int:
+    from bench import failover_scenario
+
+    return failover_scenario.run(args)
+
+
+def limits(args: argparse.Namespace) -> int:
+    from bench import limits_scenario
+
+    return limits_scenario.run(args)
