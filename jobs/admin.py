@@ -1,24 +1,499 @@
+"""Jobs in the admin: an ops console over `jobs.services`, checked like the API.
+
+The edit form speaks the API's words (schedule, at, window "5m", retry base...)
+and validates through `jobs.serializers.JobSerializer`, so a bad cron expression
+or zone is a form error saying what the API would say, never a 500; writes go
+through job_create / job_update. Actions call one service each and report with
+message_user. Deleting is the service's soft delete (history stays), never a
+row delete.
+"""
+
 from __future__ import annotations
 
-from django.contrib import admin
+from datetime import datetime, timedelta
+from typing import Any
+from zoneinfo import ZoneInfo
 
+from django import forms
+from django.contrib import admin, messages
+from django.contrib.auth import get_user_model
+from django.db import transaction
+from django.db.models import OuterRef, QuerySet, Subquery
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.utils import timezone
+from django.utils.html import format_html, format_html_join
+
+from jobs import schedule, selectors, services
+from jobs.audit import audit_record
 from jobs.models import Job, ServiceAccount
+from jobs.ops import TriggerRefused, job_trigger
+from jobs.public_ids import parse_id
+from jobs.serializers import JobSerializer
+from jobs.validators import METHODS, target_host
+from runs.delivery import iso_z
+from runs.models import Run
+
+PREVIEW_COUNT = 5
+# API names of the form's fields (nested `retry` keys as "retry.<key>").
+FORM_TO_API = {
+    "name": "name",
+    "schedule": "schedule",
+    "at": "at",
+    "timezone": "timezone",
+    "window": "window",
+    "misfire": "misfire",
+    "target": "target",
+    "method": "method",
+    "headers": "headers",
+    "secret_headers": "secret_headers",
+    "payload": "payload",
+    "retry_max": "retry.max",
+    "retry_backoff": "retry.backoff",
+    "retry_base": "retry.base",
+    "retry_cap": "retry.cap",
+    "timeout": "timeout",
+    "notify": "notify",
+    "paused": "paused",
+}
+API_TO_FORM = {api: name for name, api in FORM_TO_API.items()}
+
+
+def local_time(when: datetime, zone: str) -> str:
+    try:
+        tz = ZoneInfo(zone)
+    except Exception:  # a stored zone the system no longer knows: show UTC only
+        return iso_z(when)
+    return when.astimezone(tz).strftime("%Y-%m-%d %H:%M %Z")
+
+
+def schedule_words(job: Job) -> str:
+    if job.is_recurring:
+        return schedule.describe_cron(job.schedule, job.timezone)
+    if job.run_at is not None:
+        zone = "" if job.timezone == "UTC" else f" ({job.timezone})"
+        return f"once at {local_time(job.run_at, job.timezone)}{zone}"
+    return "-"
+
+
+def next_times(job: Job, now: datetime, count: int = PREVIEW_COUNT) -> list[datetime]:
+    if not job.is_recurring:
+        return [job.run_at] if job.run_at is not None else []
+    times: list[datetime] = []
+    after = now
+    try:
+        for _ in range(count):
+            after = schedule.next_cron_time(job.schedule, job.timezone, after)
+            times.append(after)
+    except ValueError:
+        pass  # a stored expression that no longer parses: show what we have
+    return times
+
+
+# --------------------------------------------------------------------------- the form
+
+
+def _service_users() -> QuerySet[Any]:
+    return get_user_model().objects.filter(service__isnull=False).order_by("username")
+
+
+class JobAdminForm(forms.ModelForm):
+    """The API's fields; `clean` hands them to JobSerializer (create, or PATCH of the
+    changed ones) and keeps its `service_fields()` for the save."""
+
+    owner = forms.ModelChoiceField(queryset=_service_users(), help_text="The service account that owns the job.")
+    name = forms.CharField(required=False, max_length=200)
+    schedule = forms.CharField(
+        required=False,
+        max_length=200,
+        help_text="5-field cron, in the time zone below, like 0 2 * * *. Empty for a one-off.",
+    )
+    at = forms.CharField(
+        required=False,
+        label="At (one-off)",
+        help_text="ISO 8601, like 2026-10-28T20:30:00Z; with no offset, a wall-clock time in the time zone.",
+    )
+    timezone = forms.CharField(initial="UTC", max_length=64, help_text="An IANA name, like Asia/Kolkata.")
+    window = forms.CharField(initial="0s", help_text='The run may start up to this long after its time ("5m").')
+    misfire = forms.ChoiceField(choices=Job.Misfire.choices, initial=Job.Misfire.RUN_ONCE)
+    target = forms.CharField(max_length=2000, help_text="An http(s) URL.")
+    method = forms.ChoiceField(choices=[(m, m) for m in METHODS], initial="POST")
+    headers = forms.JSONField(
+        required=False,
+        initial=dict,
+        help_text='A JSON object; secret values show as "***" and are kept when sent back so.',
+    )
+    secret_headers = forms.CharField(
+        required=False, help_text="Comma-separated names of further headers to keep encrypted."
+    )
+    payload = forms.JSONField(required=False, help_text="Any JSON, sent as the body.")
+    retry_max = forms.IntegerField(initial=3, label="Retries", help_text="Tries after the first, 0 to 100.")
+    retry_backoff = forms.ChoiceField(choices=Job.Backoff.choices, initial=Job.Backoff.EXPONENTIAL, label="Backoff")
+    retry_base = forms.CharField(initial="10s", label="First delay")
+    retry_cap = forms.CharField(initial="1h", label="Longest delay")
+    timeout = forms.CharField(initial="30s", help_text="How long one call may take.")
+    notify = forms.CharField(required=False, help_text="E-mail told when a run goes dead (default: the owner's).")
+    paused = forms.BooleanField(required=False)
+
+    class Meta:
+        model = Job
+        fields = ()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.service_fields: dict[str, Any] = {}
+        if self.instance.pk:
+            self.fields.pop("owner", None)  # fixed once made; shown read-only
+            self.initial.update(self._api_initial(self.instance))
+
+    @staticmethod
+    def _api_initial(job: Job) -> dict[str, Any]:
+        data = JobSerializer(job).data
+        retry = data.get("retry") or {}
+        return {
+            "name": data["name"],
+            "schedule": data["schedule"] or "",
+            "at": data["at"] or "",
+            "timezone": data["timezone"],
+            "window": data["window"],
+            "misfire": data["misfire"],
+            "target": data["target"],
+            "method": data["method"],
+            "headers": data["headers"],
+            "secret_headers": ", ".join(data["secret_headers"] or []),
+            "payload": data["payload"],
+            "retry_max": retry.get("max"),
+            "retry_backoff": retry.get("backoff"),
+            "retry_base": retry.get("base"),
+            "retry_cap": retry.get("cap"),
+            "timeout": data["timeout"],
+            "notify": data["notify"] or "",
+            "paused": data["paused"],
+        }
+
+    def _api_body(self, cleaned: dict[str, Any]) -> dict[str, Any]:
+        editing = bool(self.instance.pk)
+        names = [n for n in FORM_TO_API if n in self.fields and n in cleaned]
+        if editing:
+            names = [n for n in names if n in self.changed_data]
+        body: dict[str, Any] = {}
+        for name in names:
+            value = cleaned[name]
+            if name == "secret_headers":
+                value = [part.strip() for part in (value or "").split(",") if part.strip()]
+            elif name in ("schedule", "at", "notify", "name") and value == "":
+                if not editing and name in ("schedule", "at"):
+                    continue  # exactly one of them is given on create
+                value = None if name != "name" else ""
+            elif name in ("headers", "payload") and value is None and not editing:
+                continue
+            api = FORM_TO_API[name]
+            if api.startswith("retry."):
+                body.setdefault("retry", {})[api.split(".", 1)[1]] = value
+            else:
+                body[api] = value
+        return body
+
+    def clean(self) -> dict[str, Any]:
+        cleaned = super().clean()
+        if self.errors:
+            return cleaned
+        editing = bool(self.instance.pk)
+        serializer = JobSerializer(
+            instance=self.instance if editing else None, data=self._api_body(cleaned), partial=editing
+        )
+        if serializer.is_valid():
+            self.service_fields = serializer.service_fields()
+        else:
+            self._add_api_errors(serializer.errors)
+        return cleaned
+
+    def _add_api_errors(self, errors: Any, prefix: str = "") -> None:
+        for key, value in errors.items():
+            api = f"{prefix}{key}"
+            if isinstance(value, dict):
+                self._add_api_errors(value, prefix=f"{api}.")
+                continue
+            field = API_TO_FORM.get(api)
+            for message in value if isinstance(value, list) else [value]:
+                if field in self.fields:
+                    self.add_error(field, str(message))
+                else:
+                    label = "" if api == "non_field_errors" else f"{api}: "
+                    self.add_error(None, f"{label}{message}")
+
+    def _post_clean(self) -> None:
+        # No model validation: the serializer has checked everything (its checks are
+        # the API's; Django's URLField would refuse hosts the API accepts), and the
+        # services, not this form, write the job.
+        pass
+
+
+# --------------------------------------------------------------------------- filters
+
+
+class TargetHostFilter(admin.SimpleListFilter):
+    title = "target host"
+    parameter_name = "host"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        hosts = {target_host(t) for t in Job.objects.values_list("target", flat=True).distinct()}
+        return [(h, h) for h in sorted(hosts)]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Job]) -> QuerySet[Job]:
+        from runs.ops import target_host_q
+
+        return queryset.filter(target_host_q(self.value())) if self.value() else queryset
+
+
+# --------------------------------------------------------------------------- the admin
+
+
+def _last_outcome() -> Subquery:
+    finished = Run.objects.filter(job=OuterRef("pk"), status__in=Run.TERMINAL).order_by("-scheduled_for", "-id")
+    return Subquery(finished.values("status")[:1])
 
 
 @admin.register(Job)
 class JobAdmin(admin.ModelAdmin):
-    list_display = ("public_id", "name", "owner", "schedule", "timezone", "state", "target")
-    list_filter = ("state", "paused", "misfire", "owner")
-    search_fields = ("=id", "name", "target")
-    list_select_related = ("owner",)
-    readonly_fields = ("created_at", "updated_at", "deleted_at", "secret_headers")
-    fieldsets = (
-        (None, {"fields": ("owner", "name", "state", "paused")}),
-        ("Schedule", {"fields": ("schedule", "run_at", "timezone", "window_seconds", "misfire")}),
-        ("Target", {"fields": ("target", "method", "headers", "secret_header_names", "secret_headers", "payload")}),
-        ("Execution", {"fields": ("retry_max", "retry_backoff", "retry_base_seconds", "retry_cap_seconds", "timeout_seconds", "notify")}),
-        ("History", {"fields": ("created_at", "updated_at", "deleted_at")}),
+    form = JobAdminForm
+    list_display = (
+        "public_id",
+        "name",
+        "state",
+        "owner",
+        "schedule_in_words",
+        "next_run_utc",
+        "next_run_local",
+        "last_outcome",
+        "target_host",
     )
+    list_filter = ("state", "owner", TargetHostFilter, "paused", "misfire")
+    search_fields = ("name", "target")
+    search_help_text = "Name, target, or id (job_12 or 12)."
+    list_select_related = ("owner",)
+    list_per_page = 50
+    actions = ("pause_jobs", "resume_jobs", "run_jobs_now", "delete_jobs")
+    readonly_fields = ("state", "schedule_in_words", "next_times_preview", "created_at", "updated_at", "deleted_at")
+
+    def get_fieldsets(self, request: HttpRequest, obj: Job | None = None) -> Any:
+        who = ("owner", "name", "state", "paused") if obj else ("owner", "name", "paused")
+        history = (("History", {"fields": ("created_at", "updated_at", "deleted_at")}),) if obj else ()
+        secret = "secret_headers"
+        if obj and not self.has_change_permission(request, obj):
+            secret = "secret_header_names"  # read-only: the names, never the stored (encrypted) values
+        return (
+            (None, {"fields": who}),
+            (
+                "Schedule",
+                {
+                    "fields": (
+                        "schedule",
+                        "at",
+                        "timezone",
+                        "schedule_in_words",
+                        "next_times_preview",
+                        "window",
+                        "misfire",
+                    )
+                },
+            ),
+            ("Target", {"fields": ("target", "method", "headers", secret, "payload")}),
+            ("Execution", {"fields": ("retry_max", "retry_backoff", "retry_base", "retry_cap", "timeout", "notify")}),
+            *history,
+        )
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Job | None = None) -> Any:
+        return (*self.readonly_fields, "owner") if obj else self.readonly_fields
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Job]:
+        return (
+            super()
+            .get_queryset(request)
+            .annotate(last_outcome_status=_last_outcome())
+            .prefetch_related(selectors._open_runs())  # one query per page for "next run"
+        )
+
+    def get_search_results(self, request: HttpRequest, queryset: QuerySet[Job], search_term: str) -> Any:
+        found, may_have_duplicates = super().get_search_results(request, queryset, search_term)
+        pk = parse_id("job", search_term.strip())
+        if pk is not None:
+            found |= queryset.filter(pk=pk)
+        return found, may_have_duplicates
+
+    # ---- permissions: no row deletes; acting needs change (or delete) on jobs
+
+    def has_delete_permission(self, request: HttpRequest, obj: Job | None = None) -> bool:
+        return False  # "delete" ends the job through job_delete; history stays
+
+    def has_operate_permission(self, request: HttpRequest) -> bool:
+        return self.has_change_permission(request)
+
+    def has_end_permission(self, request: HttpRequest) -> bool:
+        return request.user.has_perm("jobs.delete_job")
+
+    # ---- columns
+
+    @admin.display(description="id", ordering="id")
+    def public_id(self, job: Job) -> str:
+        return job.public_id
+
+    @admin.display(description="schedule")
+    def schedule_in_words(self, job: Job) -> str:
+        return schedule_words(job)
+
+    @staticmethod
+    def _next(job: Job) -> Run | None:
+        return selectors.open_run_of(job)
+
+    @admin.display(description="next run (UTC)")
+    def next_run_utc(self, job: Job) -> str:
+        run = self._next(job)
+        return iso_z(run.scheduled_for) if run else "-"
+
+    @admin.display(description="next run (job's zone)")
+    def next_run_local(self, job: Job) -> str:
+        run = self._next(job)
+        return local_time(run.scheduled_for, job.timezone) if run else "-"
+
+    @admin.display(description="last outcome", ordering="last_outcome_status")
+    def last_outcome(self, job: Job) -> str:
+        return getattr(job, "last_outcome_status", None) or "-"
+
+    @admin.display(description="target host")
+    def target_host(self, job: Job) -> str:
+        return target_host(job.target)
+
+    @admin.display(description="next five times")
+    def next_times_preview(self, job: Job) -> str:
+        if not job.pk:
+            return "-"
+        times = next_times(job, timezone.now())
+        if not times:
+            return "-"
+        rows = ((local_time(t, job.timezone), iso_z(t)) for t in times)
+        return format_html("<ol>{}</ol>", format_html_join("", "<li>{} &nbsp; <code>{}</code></li>", rows))
+
+    # ---- view-only display of the form's non-model fields (a read-only user sees the API's words)
+
+    @admin.display(description="at (one-off)")
+    def at(self, job: Job) -> Any:
+        return iso_z(job.run_at) if job.run_at else "-"
+
+    @admin.display(description="window")
+    def window(self, job: Job) -> str:
+        return schedule.format_duration(timedelta(seconds=job.window_seconds))
+
+    @admin.display(description="backoff")
+    def retry_backoff(self, job: Job) -> str:
+        return job.retry_backoff
+
+    @admin.display(description="first delay")
+    def retry_base(self, job: Job) -> str:
+        return schedule.format_duration(timedelta(seconds=job.retry_base_seconds))
+
+    @admin.display(description="longest delay")
+    def retry_cap(self, job: Job) -> str:
+        return schedule.format_duration(timedelta(seconds=job.retry_cap_seconds))
+
+    @admin.display(description="timeout")
+    def timeout(self, job: Job) -> str:
+        return schedule.format_duration(timedelta(seconds=job.timeout_seconds))
+
+    # ---- writes go through the services
+
+    def save_model(self, request: HttpRequest, obj: Job, form: JobAdminForm, change: bool) -> None:
+        try:
+            if change:
+                job = services.job_update(job=obj, fields=form.service_fields)
+            else:
+                job = services.job_create(owner=form.cleaned_data["owner"], fields=form.service_fields)
+        except ValueError as exc:
+            # Refused by the service after the checks passed (a time that already has a run,
+            # a job deleted meanwhile): said on the page, nothing written.
+            request._job_admin_refusal = str(exc)  # type: ignore[attr-defined]
+            return
+        obj.pk = job.pk
+        obj.refresh_from_db()
+
+    def log_addition(self, request: HttpRequest, obj: Any, message: Any) -> Any:
+        return None if getattr(request, "_job_admin_refusal", None) else super().log_addition(request, obj, message)
+
+    def log_change(self, request: HttpRequest, obj: Any, message: Any) -> Any:
+        return None if getattr(request, "_job_admin_refusal", None) else super().log_change(request, obj, message)
+
+    def _refused(self, request: HttpRequest) -> HttpResponse | None:
+        reason = getattr(request, "_job_admin_refusal", None)
+        if reason is None:
+            return None
+        self.message_user(request, f"Not saved: {reason}", messages.ERROR)
+        return HttpResponseRedirect(request.get_full_path())
+
+    def response_add(self, request: HttpRequest, obj: Job, post_url_continue: str | None = None) -> HttpResponse:
+        return self._refused(request) or super().response_add(request, obj, post_url_continue)
+
+    def response_change(self, request: HttpRequest, obj: Job) -> HttpResponse:
+        return self._refused(request) or super().response_change(request, obj)
+
+    # ---- actions: one service each
+
+    def _report(self, request: HttpRequest, verb: str, done: list[Job], skipped: list[str]) -> None:
+        if done:
+            ids = ", ".join(j.public_id for j in done)
+            self.message_user(
+                request, f"{verb} {len(done)} job{'s' if len(done) != 1 else ''}: {ids}.", messages.SUCCESS
+            )
+        for reason in skipped:
+            self.message_user(request, f"Skipped {reason}.", messages.WARNING)
+
+    @admin.action(description="Pause selected jobs", permissions=["operate"])
+    def pause_jobs(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
+        done, skipped = [], []
+        for job in queryset:
+            if job.state == Job.State.DELETED or job.paused:
+                skipped.append(f"{job.public_id}: already {'deleted' if job.state == Job.State.DELETED else 'paused'}")
+                continue
+            with transaction.atomic():
+                done.append(services.job_pause(job=job))
+                audit_record(actor=request.user, via="admin", action="paused", obj=job)
+        self._report(request, "Paused", done, skipped)
+
+    @admin.action(description="Resume selected jobs", permissions=["operate"])
+    def resume_jobs(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
+        done, skipped = [], []
+        for job in queryset:
+            if job.state == Job.State.DELETED or not job.paused:
+                skipped.append(f"{job.public_id}: {'deleted' if job.state == Job.State.DELETED else 'not paused'}")
+                continue
+            with transaction.atomic():
+                done.append(services.job_resume(job=job))
+                audit_record(actor=request.user, via="admin", action="resumed", obj=job)
+        self._report(request, "Resumed", done, skipped)
+
+    @admin.action(description="Run selected jobs now (an extra run)", permissions=["operate"])
+    def run_jobs_now(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
+        done, skipped = [], []
+        for job in queryset:
+            try:
+                run = job_trigger(job=job, actor=request.user, via="admin")
+            except TriggerRefused as exc:
+                skipped.append(str(exc))
+                continue
+            done.append(job)
+            self.message_user(request, f"{job.public_id}: {run.public_id} runs at {iso_z(run.scheduled_for)}.")
+        self._report(request, "Triggered", done, skipped)
+
+    @admin.action(description="Delete selected jobs (cancel waiting runs, keep history)", permissions=["end"])
+    def delete_jobs(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
+        done, skipped = [], []
+        for job in queryset:
+            if job.state == Job.State.DELETED:
+                skipped.append(f"{job.public_id}: already deleted")
+                continue
+            with transaction.atomic():
+                services.job_delete(job=job)
+                audit_record(actor=request.user, via="admin", action="deleted", obj=job)
+            done.append(job)
+        self._report(request, "Deleted", done, skipped)
 
 
 @admin.register(ServiceAccount)

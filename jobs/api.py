@@ -8,6 +8,12 @@ Choices where the CONTRACT is silent:
   is well formed, the job's state refuses it. DELETE on a deleted job is 204 again
   and changes nothing (a retried DELETE must not fail or move `deleted_at`).
 - Any other ValueError a service raises is a 400 `{"detail": "<its words>"}`.
+- Every write is audited (jobs.audit): created, changed (with the names of the
+  fields given, never their values), paused, resumed, deleted.
+- Every operation's schema lists its error answers (ApiSchema): 401 with
+  `WWW-Authenticate`, 429 with `Retry-After`, 400/413/415 where a body is read,
+  404 where an id or a page is read; each is `{"detail": "..."}` but the 400 of
+  a bad field, which names the field(s).
 - A job's runs are newest scheduled time first; `/api/runs/` is newest first by
   id (the order its index serves, so the dead list stays cheap).
 - An `at` without an offset is resolved in the job's zone when it is given
@@ -19,15 +25,18 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from django.db import transaction
 from django.db.models import QuerySet
+from drf_spectacular.openapi import AutoSchema
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import (
     OpenApiParameter,
     OpenApiResponse,
     extend_schema,
     extend_schema_view,
+    inline_serializer,
 )
-from rest_framework import status, viewsets
+from rest_framework import serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.exceptions import (
     APIException,
@@ -41,9 +50,12 @@ from rest_framework.response import Response
 from rest_framework.serializers import BaseSerializer
 
 from jobs import selectors, services
-from jobs.models import Job
+from jobs.audit import audit_record, client_address
+from jobs.models import AuditEntry, Job
+from jobs.pagination import query_value
 from jobs.public_ids import parse_id
 from jobs.serializers import (
+    AuditEntrySerializer,
     JobSerializer,
     RunDetailSerializer,
     RunSerializer,
@@ -80,18 +92,72 @@ class ServiceRefused(APIException):
     default_code = "invalid"
 
 
+ERROR = inline_serializer("Error", fields={"detail": serializers.CharField(help_text="What was wrong, in words.")})
+FIELD_ERRORS = OpenApiResponse(
+    response={
+        "type": "object",
+        "additionalProperties": {},
+        "example": {"schedule": ["'0 25 * * *': the hour 25 is out of range (0-23)"]},
+    },
+    description="A bad field or body: each key names a field (or `detail`, `non_field_errors`), with words.",
+)
+
+
+class ApiSchema(AutoSchema):
+    """Adds the error answers every operation can give to each one's responses, so
+    the schema documents what a client (or schemathesis) will actually see. The
+    project's DEFAULT_SCHEMA_CLASS: every API view gets it, a new one included.
+    (`_get_response_bodies` is drf-spectacular's, pinned: it sees the responses
+    after any @extend_schema override, which get_response_serializers does not.)"""
+
+    def _get_response_bodies(self, direction: Any = "response") -> dict[str, Any]:
+        responses = super()._get_response_bodies(direction)
+        for code, response in self._error_responses().items():
+            if str(code) not in responses:
+                responses[str(code)] = self._get_response_for_code(response, str(code), direction=direction)
+        return responses
+
+    def _error_responses(self) -> dict[int, Any]:
+        errors: dict[int, Any] = {
+            401: OpenApiResponse(ERROR, description="No token, or a bad or revoked one."),
+            429: OpenApiResponse(ERROR, description="Over the throttle; Retry-After says how many seconds to wait."),
+        }
+        listing = self.method == "GET" and self._is_list_view()
+        if self.method in ("POST", "PUT", "PATCH") or listing:
+            errors[400] = FIELD_ERRORS  # a bad field, or a bad filter like ?status=
+        if self.method in ("POST", "PUT", "PATCH"):
+            errors[413] = OpenApiResponse(ERROR, description="The request body is over 1 MiB.")
+            errors[415] = OpenApiResponse(ERROR, description="The body is not application/json.")
+        if "{" in self.path or listing:
+            errors[404] = OpenApiResponse(ERROR, description="No such object (or not the caller's), or no such page.")
+        return errors
+
+    def get_override_parameters(self) -> list[Any]:
+        return [
+            *super().get_override_parameters(),
+            OpenApiParameter(
+                "Retry-After", OpenApiTypes.INT, OpenApiParameter.HEADER, response=[429],
+                description="Seconds to wait before the next request.",
+            ),
+            OpenApiParameter(
+                "WWW-Authenticate", OpenApiTypes.STR, OpenApiParameter.HEADER, response=[401],
+                description="`Token`: send `Authorization: Token <token>`.",
+            ),
+        ]
+
+
 STATUS_PARAMETER = OpenApiParameter(
-    "status", OpenApiTypes.STR, OpenApiParameter.QUERY, enum=list(selectors.RUN_STATUSES),
-    description="Only runs with this status; `dead` is the dead list.",
+    "status", OpenApiTypes.STR, OpenApiParameter.QUERY, enum=["", *selectors.RUN_STATUSES],
+    description="Only runs with this status; `dead` is the dead list; empty means all.",
 )
 JOB_ID = OpenApiParameter("id", OpenApiTypes.STR, OpenApiParameter.PATH, description="A job id, like job_12.")
 RUN_ID = OpenApiParameter("id", OpenApiTypes.STR, OpenApiParameter.PATH, description="A run id, like run_5.")
-NOT_FOUND = OpenApiResponse(description="No such job or run, or not the caller's.")
+NOT_FOUND = OpenApiResponse(ERROR, description="No such job or run, or not the caller's.")
 
 
 def status_filter(request: Request) -> str | None:
     """`?status=`: empty means no filter; an unknown value is a 400 naming `status`."""
-    value = request.query_params.get("status", "")
+    value = query_value(request, "status")
     if not value:
         return None
     if value not in selectors.RUN_STATUSES:
@@ -109,6 +175,12 @@ def require_object_body(request: Request) -> dict[str, Any]:
     return data
 
 
+def audit(request: Request, action: str, obj: Any, detail: dict[str, Any] | None = None) -> None:
+    audit_record(
+        actor=request.user, via="api", action=action, obj=obj, detail=detail, remote_addr=client_address(request)
+    )
+
+
 def paginated(view: viewsets.GenericViewSet, runs: QuerySet[Run]) -> Response:
     page = view.paginate_queryset(runs)
     return view.get_paginated_response(RunSerializer(page, many=True).data)
@@ -121,7 +193,7 @@ def paginated(view: viewsets.GenericViewSet, runs: QuerySet[Run]) -> Response:
     partial_update=extend_schema(
         summary="Change a job; {\"paused\": true/false} pauses or resumes it",
         parameters=[JOB_ID],
-        responses={200: JobSerializer, 404: NOT_FOUND, 409: OpenApiResponse(description="The job is deleted.")},
+        responses={200: JobSerializer, 404: NOT_FOUND, 409: OpenApiResponse(ERROR, description="The job is deleted.")},
     ),
     destroy=extend_schema(
         summary="End a job: its waiting run is cancelled, its history stays readable",
@@ -153,9 +225,12 @@ class JobViewSet(viewsets.GenericViewSet):
         return self.get_paginated_response(self.get_serializer(page, many=True).data)
 
     def create(self, request: Request) -> Response:
-        serializer = self.get_serializer(data=require_object_body(request))
+        body = require_object_body(request)
+        serializer = self.get_serializer(data=body)
         serializer.is_valid(raise_exception=True)
-        job = call_service(services.job_create, owner=request.user, fields=serializer.service_fields())
+        with transaction.atomic():  # the job and its audit entry, or neither
+            job = call_service(services.job_create, owner=request.user, fields=serializer.service_fields())
+            audit(request, "created", job, {"fields": sorted(body)})
         return Response(self.get_serializer(job).data, status=status.HTTP_201_CREATED)
 
     def retrieve(self, request: Request, id: str) -> Response:
@@ -165,15 +240,25 @@ class JobViewSet(viewsets.GenericViewSet):
         job = self.get_object()
         if job.state == Job.State.DELETED:
             raise Conflict(f"{job.public_id} is deleted; a deleted job cannot be changed")
-        serializer = self.get_serializer(job, data=require_object_body(request), partial=True)
+        body = require_object_body(request)
+        serializer = self.get_serializer(job, data=body, partial=True)
         serializer.is_valid(raise_exception=True)
-        job = call_service(services.job_update, job=job, fields=serializer.service_fields())
+        was_paused = job.paused
+        with transaction.atomic():
+            job = call_service(services.job_update, job=job, fields=serializer.service_fields())
+            changed = sorted(key for key in body if key != "paused")
+            if changed:
+                audit(request, "changed", job, {"fields": changed})
+            if job.paused != was_paused:
+                audit(request, "paused" if job.paused else "resumed", job)
         return Response(self.get_serializer(job).data)
 
     def destroy(self, request: Request, id: str) -> Response:
         job = self.get_object()
         if job.state != Job.State.DELETED:
-            call_service(services.job_delete, job=job)
+            with transaction.atomic():
+                call_service(services.job_delete, job=job)
+                audit(request, "deleted", job)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
     @extend_schema(
@@ -224,3 +309,30 @@ class RunViewSet(viewsets.GenericViewSet):
             raise NotFound(f"No run {id}.")
         return Response(RunDetailSerializer(run).data)
 
+
+OBJECT_PARAMETER = OpenApiParameter(
+    "object", OpenApiTypes.STR, OpenApiParameter.QUERY,
+    description="Only entries about this object: a job id (job_12), a run id (run_5), a service name or a host.",
+)
+
+
+@extend_schema_view(
+    list=extend_schema(summary="The audit log: who changed what, when and from where, newest first",
+                       parameters=[OBJECT_PARAMETER]),
+)
+class AuditViewSet(viewsets.GenericViewSet):
+    """Read-only. A service sees entries about its own jobs, runs and account; staff see all."""
+
+    serializer_class = AuditEntrySerializer
+
+    def get_queryset(self) -> QuerySet[Any]:
+        if getattr(self, "swagger_fake_view", False):  # schema generation has no caller
+            return AuditEntry.objects.none()
+        wanted = query_value(self.request, "object")
+        if len(wanted) > 64 or "\x00" in wanted:
+            raise ValidationError({"object": ["must be an object id like job_12, at most 64 characters"]})
+        return selectors.audit_for(self.request.user, wanted or None)
+
+    def list(self, request: Request) -> Response:
+        page = self.paginate_queryset(self.get_queryset())
+        return self.get_paginated_response(self.get_serializer(page, many=True).data)

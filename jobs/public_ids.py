@@ -11,6 +11,7 @@ def parse_id(prefix: str, value: str | int) -> int | None:
     text = str(value)
     if text.startswith(prefix + "_"):
         text = text[len(prefix) + 1 :]
-    if not text.isdigit() or len(text) > 18:
+    # isascii(): str.isdigit() is also true of "¹" or "٣", which int() refuses.
+    if not (text.isascii() and text.isdigit()) or len(text) > 18:
         return None
     return int(text)

@@ -1,6 +1,6 @@
 """Reads. The one place that scopes querysets to the caller.
 
-Every API read goes through `jobs_for` / `runs_for`, so "a service sees only its
+Every API read goes through `jobs_for` / `runs_for` / `audit_for`, so "a service sees only its
 own" is decided here and nowhere else: another service's object is simply not in
 the queryset, which the views turn into a 404 (never a 403, which would confirm
 that the id exists).
@@ -11,7 +11,7 @@ from typing import Any
 
 from django.db.models import Prefetch, QuerySet
 
-from jobs.models import Job
+from jobs.models import AuditEntry, Job
 from runs.models import Run, RunEvent
 
 # The statuses `?status=` accepts, in the order the docs list them.
@@ -68,3 +68,12 @@ def open_run_of(job: Job) -> Run | None:
     if prefetched is not None:
         return prefetched[0] if prefetched else None
     return Run.objects.filter(job=job, status__in=Run.OPEN, is_backfill=False).first()
+
+
+def audit_for(user: Any, object_id: str | None = None) -> QuerySet[AuditEntry]:
+    """Audit entries `user` may see, newest first: a service, those about its own
+    jobs, runs and account; staff, all. `object_id` (job_12, run_5...) narrows it."""
+    entries = AuditEntry.objects.all() if _sees_all(user) else AuditEntry.objects.filter(owner=user)
+    if object_id:
+        entries = entries.filter(object_id=object_id)
+    return entries.order_by("-at", "-id")

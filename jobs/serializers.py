@@ -27,10 +27,10 @@ from rest_framework import serializers
 from rest_framework.exceptions import ValidationError
 
 from jobs import schedule, selectors
-from jobs.models import Job
+from jobs.models import AuditEntry, Job
 from jobs.public_ids import format_id
 from jobs.secrets import REDACTED, decrypt_headers, is_secret, redacted_names
-from jobs.validators import validate_header_name, validate_method, validate_target
+from jobs.validators import validate_header_name, validate_method, validate_min_interval, validate_target
 from runs.models import Run, RunEvent
 
 TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
@@ -242,7 +242,9 @@ class StrictFieldsMixin:
         for key in data:
             if key in writable:
                 continue
-            if key in fields:
+            if key == "":  # an error keyed "" would name nothing
+                errors.setdefault("non_field_errors", []).append(f"a field with an empty name; the fields are {known}")
+            elif key in fields:
                 errors[str(key)] = ["is read-only and cannot be set"]
             else:
                 errors[str(key)] = [f"unknown field; the fields are {known}"]
@@ -388,6 +390,7 @@ class JobSerializer(StrictFieldsMixin, serializers.Serializer):
             return None
         try:
             schedule.validate_cron(value)
+            validate_min_interval(value)
         except ValueError as exc:
             raise ValidationError(str(exc)) from exc
         return " ".join(value.split())
@@ -561,4 +564,28 @@ class RunDetailSerializer(RunSerializer):
 
     class Meta(RunSerializer.Meta):
         fields = (*RunSerializer.Meta.fields, "events")
+        read_only_fields = fields
+
+
+# --------------------------------------------------------------------------- audit
+
+
+@extend_schema_field({"type": "object", "additionalProperties": {}, "example": {"fields": ["schedule"]}})
+class AuditDetailField(serializers.JSONField):
+    """What changed: field names and small facts, never a value that could be secret."""
+
+
+class AuditEntrySerializer(serializers.ModelSerializer):
+    at = UtcTimeField(read_only=True)
+    actor = serializers.CharField(read_only=True, help_text="A service or user name, or the OS user of a command.")
+    via = serializers.ChoiceField(choices=AuditEntry.Via.choices, read_only=True)
+    action = serializers.CharField(read_only=True, help_text="created, changed, paused, resumed, deleted, ...")
+    object_type = serializers.CharField(read_only=True, help_text="job, run, service or target.")
+    object_id = serializers.CharField(read_only=True, help_text="Like job_12, run_5, a service name or a host.")
+    remote_addr = serializers.CharField(read_only=True, help_text="The caller's address, or a command's host.")
+    detail = AuditDetailField(read_only=True)
+
+    class Meta:
+        model = AuditEntry
+        fields = ("at", "actor", "via", "action", "object_type", "object_id", "remote_addr", "detail")
         read_only_fields = fields

@@ -46,6 +46,7 @@ def _apply_headers(job: Job, headers: dict[str, str] | None, secret_names: list[
 def job_create(*, owner: Any, fields: dict[str, Any], now: datetime | None = None) -> Job:
     """The job and its first run, in one transaction."""
     now = now or timezone.now()
+    _check_job_cap(owner)
     fields = dict(fields)
     headers = fields.pop("headers", None)
     secret_names = fields.pop("secret_headers", None)
@@ -55,6 +56,21 @@ def job_create(*, owner: Any, fields: dict[str, Any], now: datetime | None = Non
     job.save()
     run_create(job=job, scheduled_for=first_run_time(job, now), now=now)
     return job
+
+
+def _check_job_cap(owner: Any) -> None:
+    """SCHEDULER_MAX_JOBS_PER_SERVICE: jobs not deleted count. The owner's row is
+    locked first, so two creates at the cap cannot both pass."""
+    from django.contrib.auth import get_user_model
+
+    limit = settings.SCHEDULER_MAX_JOBS_PER_SERVICE
+    list(get_user_model().objects.select_for_update().filter(pk=owner.pk).values_list("pk"))
+    count = Job.objects.filter(owner=owner).exclude(state=Job.State.DELETED).count()
+    if count >= limit:
+        raise ValueError(
+            f"{owner.get_username()} already has {count} jobs, the most one service may have "
+            f"(SCHEDULER_MAX_JOBS_PER_SERVICE={limit}); delete jobs it no longer needs first"
+        )
 
 
 def open_run(job: Job, *, lock: bool = False) -> Run | None:
@@ -235,6 +251,7 @@ def service_account_ensure(*, name: str, email: str = "") -> tuple[Any, str]:
     from rest_framework.authtoken.models import Token
 
     from jobs.models import ServiceAccount
+    from runs.signing import signing_secret_ensure
 
     user_model = get_user_model()
     user, created = user_model.objects.get_or_create(username=name, defaults={"email": email})
@@ -243,6 +260,7 @@ def service_account_ensure(*, name: str, email: str = "") -> tuple[Any, str]:
         user.save(update_fields=["password"])
     elif user.is_staff or user.is_superuser or user.has_usable_password():
         raise ValueError(f"{name!r} is a person's account, not a service account")
-    ServiceAccount.objects.get_or_create(user=user)
+    account, _ = ServiceAccount.objects.get_or_create(user=user)
+    signing_secret_ensure(service=account)  # its first X-Signature key (runs.signing)
     token, _ = Token.objects.get_or_create(user=user)
     return user, token.key

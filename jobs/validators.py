@@ -9,9 +9,13 @@ import fnmatch
 import ipaddress
 import re
 import socket
+from datetime import datetime, timedelta, timezone as dt_timezone
+from itertools import islice
 from urllib.parse import urlsplit
 
 from django.conf import settings
+
+from jobs import schedule
 
 # Never called, whatever the allowlist says: link-local (cloud metadata lives
 # there) and the AWS IPv6 metadata address.
@@ -91,3 +95,30 @@ _TOKEN_RE = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 def validate_header_name(name: str) -> None:
     if not name or any(c in name for c in " :\r\n\t") or not name.isascii() or not _TOKEN_RE.fullmatch(name):
         raise ValueError(f"{name!r} is not a valid HTTP header name")
+
+
+# SCHEDULER_MIN_INTERVAL: the gaps of a schedule are read off a fixed sample of its
+# times in UTC, so the answer does not depend on the day it is asked or the job's
+# zone (a spring-forward gap can bring two runs closer once a year; that is allowed).
+# Four years from a leap year's start holds every calendar shape (Feb 29, month ends).
+_GAP_SAMPLE_START = datetime(2000, 1, 1, tzinfo=dt_timezone.utc)
+_GAP_SAMPLE_END = datetime(2004, 1, 2, tzinfo=dt_timezone.utc)
+_GAP_SAMPLE_TIMES = 10_000
+
+
+def validate_min_interval(expr: str) -> None:
+    """A valid cron expression whose runs come closer than SCHEDULER_MIN_INTERVAL is a
+    ValueError naming the gap. "1m" (the default) allows every 5-field cron."""
+    floor = schedule.parse_duration(settings.SCHEDULER_MIN_INTERVAL)
+    if floor <= timedelta(minutes=1):
+        return  # cron cannot fire more often than once a minute
+    times = islice(schedule.cron_times(expr, "UTC", _GAP_SAMPLE_START, _GAP_SAMPLE_END), _GAP_SAMPLE_TIMES)
+    previous = None
+    for current in times:
+        if previous is not None and current - previous < floor:
+            gap = schedule.format_duration(current - previous)
+            raise ValueError(
+                f"runs only {gap} apart (at {previous:%H:%M} and {current:%H:%M}); runs must be at least "
+                f"{schedule.format_duration(floor)} apart here (SCHEDULER_MIN_INTERVAL)"
+            )
+        previous = current

@@ -1,41 +1,316 @@
+"""Runs in the admin: the run list with ops filters, the dead list and its actions,
+and a run page that draws the run's timeline. Every write is a `runs.ops` service.
+
+The list stays a bounded number of queries whatever its length: the job comes in
+the same query (select_related), "who was told" is a subquery on the `dead`
+event, and no filter lists rows of another table.
+"""
+
 from __future__ import annotations
 
-from django.contrib import admin
+from typing import Any
 
+from django import forms
+from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
+from django.db.models import OuterRef, QuerySet, Subquery
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.shortcuts import get_object_or_404
+from django.urls import path, reverse
+from django.utils import timezone
+from django.utils.html import format_html
+from django.views.decorators.http import require_POST
+
+from jobs.public_ids import parse_id
+from jobs.validators import target_host
+from runs import metrics, ops
 from runs.models import PausedTarget, Run, RunEvent
 
+S = Run.Status
 
-class RunEventInline(admin.TabularInline):
-    model = RunEvent
-    extra = 0
-    can_delete = False
-    fields = ("at", "type", "detail")
-    readonly_fields = fields
-    ordering = ("at", "id")
 
-    def has_add_permission(self, request: object, obj: object = None) -> bool:
-        return False
+# --------------------------------------------------------------------------- filters
+
+
+class InputFilter(admin.SimpleListFilter):
+    """A filter with a text box instead of a list of links (lists of jobs or hosts
+    would be one row per job: unbounded)."""
+
+    template = "admin/runs/input_filter.html"
+    placeholder = ""
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return []
+
+    def has_output(self) -> bool:
+        return True
+
+    def choices(self, changelist: Any) -> Any:
+        others = {k: v for k, v in changelist.params.items() if k != self.parameter_name}
+        yield {"others": sorted(others.items()), "value": self.value() or "", "placeholder": self.placeholder}
+
+
+class JobFilter(InputFilter):
+    title = "job"
+    parameter_name = "job"
+    placeholder = "job_12"
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Run]) -> QuerySet[Run]:
+        if not self.value():
+            return queryset
+        pk = parse_id("job", self.value().strip())
+        return queryset.filter(job_id=pk) if pk is not None else queryset.none()
+
+
+class TargetHostFilter(InputFilter):
+    title = "target host"
+    parameter_name = "host"
+    placeholder = "reports.internal:8443"
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Run]) -> QuerySet[Run]:
+        if not self.value():
+            return queryset
+        return queryset.filter(ops.target_host_q(self.value().strip().lower(), prefix="job__"))
+
+
+class LateFilter(admin.SimpleListFilter):
+    title = "late"
+    parameter_name = "late"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("yes", "late (started past its deadline, or waiting past it now)"), ("no", "on time")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Run]) -> QuerySet[Run]:
+        if self.value() not in ("yes", "no"):
+            return queryset
+        annotated = metrics.with_lateness(queryset, timezone.now())
+        late = metrics.late_q()
+        return annotated.filter(late) if self.value() == "yes" else annotated.exclude(late)
+
+
+class DeadFilter(admin.SimpleListFilter):
+    title = "dead list"
+    parameter_name = "dead"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("unhandled", "dead, not handled"), ("handled", "dead, handled"), ("all", "all dead")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Run]) -> QuerySet[Run]:
+        value = self.value()
+        if value == "unhandled":
+            return queryset.filter(status=S.DEAD, handled_at__isnull=True)
+        if value == "handled":
+            return queryset.filter(status=S.DEAD, handled_at__isnull=False)
+        return queryset.filter(status=S.DEAD) if value == "all" else queryset
+
+
+class RetriedFilter(admin.SimpleListFilter):
+    title = "attempts"
+    parameter_name = "retried"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("yes", "more than one"), ("no", "one or none")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Run]) -> QuerySet[Run]:
+        if self.value() == "yes":
+            return queryset.filter(attempt__gt=1)
+        return queryset.filter(attempt__lte=1) if self.value() == "no" else queryset
+
+
+def _notified() -> Subquery:
+    dead = RunEvent.objects.filter(run=OuterRef("pk"), type="dead").order_by("-at", "-id")
+    return Subquery(dead.values("detail__notified")[:1])
+
+
+# --------------------------------------------------------------------------- runs
 
 
 @admin.register(Run)
 class RunAdmin(admin.ModelAdmin):
-    list_display = ("public_id", "job", "scheduled_for", "due_at", "status", "attempt", "fence", "finished_at")
-    list_filter = ("status", "is_backfill", "held")
-    search_fields = ("=id", "job__name", "job__target")
-    list_select_related = ("job",)
-    raw_id_fields = ("job",)
-    readonly_fields = (
-        "job", "scheduled_for", "due_at", "partition", "status", "held", "attempt", "fence", "lease_owner",
-        "lease_expires_at", "queued_at", "started_at", "finished_at", "last_error", "is_backfill", "created_at",
+    list_display = (
+        "public_id",
+        "job_link",
+        "target_host",
+        "scheduled_for",
+        "due_at",
+        "status",
+        "attempt",
+        "fence",
+        "started_at",
+        "finished_at",
+        "told",
+        "handled",
     )
-    inlines = [RunEventInline]
-    date_hierarchy = "scheduled_for"
-    show_full_result_count = False
+    list_filter = ("status", DeadFilter, LateFilter, RetriedFilter, JobFilter, TargetHostFilter, "is_backfill", "held")
+    search_fields = ("job__name",)
+    search_help_text = "Job name, or a run id (run_5521 or 5521)."
+    list_select_related = ("job",)
+    list_per_page = 100
+    show_full_result_count = False  # no second COUNT(*) over the whole table
+    actions = ("requeue_dead_runs", "mark_handled")
+    fieldsets = (
+        (None, {"fields": ("job", "status", "idempotency_key", "is_backfill", "held")}),
+        ("Times", {"fields": ("scheduled_for", "due_at", "queued_at", "started_at", "finished_at")}),
+        ("Lease", {"fields": ("attempt", "fence", "lease_owner", "lease_expires_at", "partition")}),
+        ("Dead list", {"fields": ("last_error", "told", "handled_at", "handled_by")}),
+    )
+    readonly_fields = tuple(f for _, group in fieldsets for f in group["fields"])
 
-    def has_add_permission(self, request: object) -> bool:
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Run]:
+        return super().get_queryset(request).annotate(notified=_notified())
+
+    def get_search_results(self, request: HttpRequest, queryset: QuerySet[Run], search_term: str) -> Any:
+        found, may_have_duplicates = super().get_search_results(request, queryset, search_term)
+        pk = parse_id("run", search_term.strip())
+        if pk is not None:
+            found |= queryset.filter(pk=pk)
+        return found, may_have_duplicates
+
+    # ---- permissions: runs are never added or deleted here (prune_runs deletes)
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
         return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Run | None = None) -> bool:
+        return False
+
+    def has_operate_permission(self, request: HttpRequest) -> bool:
+        return self.has_change_permission(request)
+
+    # ---- columns
+
+    @admin.display(description="id", ordering="id")
+    def public_id(self, run: Run) -> str:
+        return run.public_id
+
+    @admin.display(description="job", ordering="job_id")
+    def job_link(self, run: Run) -> str:
+        url = reverse("admin:jobs_job_change", args=[run.job_id])
+        return format_html('<a href="{}">{}</a> {}', url, run.job.public_id, run.job.name)
+
+    @admin.display(description="target host")
+    def target_host(self, run: Run) -> str:
+        return target_host(run.job.target)
+
+    @admin.display(description="Idempotency-Key")
+    def idempotency_key(self, run: Run) -> str:
+        return run.idempotency_key
+
+    @admin.display(description="told")
+    def told(self, run: Run) -> str:
+        if run.status != S.DEAD:
+            return "-"
+        notified = getattr(run, "notified", None)
+        return notified or "nobody (no address)"
+
+    @admin.display(description="handled", boolean=True)
+    def handled(self, run: Run) -> bool | None:
+        return run.handled_at is not None if run.status == S.DEAD else None
+
+    # ---- the run page: its timeline, and the dead-list buttons
+
+    def change_view(
+        self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: Any = None
+    ) -> HttpResponse:
+        run = self.get_object(request, object_id)
+        context = dict(
+            extra_context or {}, show_save=False, show_save_and_continue=False, show_save_and_add_another=False
+        )
+        if run is not None:
+            found = list(RunEvent.objects.filter(run=run).order_by("at", "id"))
+            context["timeline"] = ops.run_timeline(run, found)
+            context["can_operate"] = self.has_change_permission(request, run)
+            context["run"] = run
+        return super().change_view(request, object_id, form_url, context)
+
+    def get_urls(self) -> list[Any]:
+        wrap = self.admin_site.admin_view
+        return [
+            path("<path:object_id>/requeue/", wrap(require_POST(self.requeue_view)), name="runs_run_requeue"),
+            path("<path:object_id>/handled/", wrap(require_POST(self.handled_view)), name="runs_run_handled"),
+            *super().get_urls(),
+        ]
+
+    def _operable(self, request: HttpRequest, object_id: str) -> Run:
+        run = get_object_or_404(Run.objects.select_related("job"), pk=parse_id("run", object_id) or 0)
+        if not self.has_change_permission(request, run):
+            raise PermissionDenied
+        return run
+
+    def _back(self, run: Run) -> HttpResponseRedirect:
+        return HttpResponseRedirect(reverse("admin:runs_run_change", args=[run.pk]))
+
+    def requeue_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
+        run = self._operable(request, object_id)
+        self._requeue(request, [run])
+        return self._back(run)
+
+    def handled_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
+        run = self._operable(request, object_id)
+        self._handled(request, Run.objects.filter(pk=run.pk))
+        return self._back(run)
+
+    # ---- actions: one service each
+
+    def _requeue(self, request: HttpRequest, runs: Any) -> None:
+        result = ops.requeue_dead(runs=runs, actor=request.user, via="admin")
+        if result.requeued:
+            ids = ", ".join(r.public_id for r in result.requeued)
+            self.message_user(request, f"Requeued {len(result.requeued)} dead run(s): {ids}.", messages.SUCCESS)
+        for _, reason in result.refused:
+            self.message_user(request, f"Not requeued: {reason}.", messages.WARNING)
+
+    def _handled(self, request: HttpRequest, runs: QuerySet[Run]) -> None:
+        marked = ops.runs_mark_handled(runs=runs, actor=request.user, via="admin")
+        level = messages.SUCCESS if marked else messages.WARNING
+        self.message_user(request, f"Marked {marked} dead run(s) handled.", level)
+
+    @admin.action(description="Requeue selected dead runs (same Idempotency-Key)", permissions=["operate"])
+    def requeue_dead_runs(self, request: HttpRequest, queryset: QuerySet[Run]) -> None:
+        self._requeue(request, queryset.select_related("job"))
+
+    @admin.action(description="Mark selected dead runs handled", permissions=["operate"])
+    def mark_handled(self, request: HttpRequest, queryset: QuerySet[Run]) -> None:
+        self._handled(request, queryset)
+
+
+# --------------------------------------------------------------------------- paused targets
+
+
+class PausedTargetForm(forms.ModelForm):
+    class Meta:
+        model = PausedTarget
+        fields = ("host",)
+
+    def clean_host(self) -> str:
+        try:
+            return ops.check_host(self.cleaned_data["host"])
+        except ops.OpsError as exc:
+            raise forms.ValidationError(str(exc)) from exc
 
 
 @admin.register(PausedTarget)
 class PausedTargetAdmin(admin.ModelAdmin):
+    """Adding a row pauses the host (pause_target); deleting it resumes the host."""
+
+    form = PausedTargetForm
     list_display = ("host", "paused_at", "paused_by")
+    search_fields = ("host",)
+
+    def get_readonly_fields(self, request: HttpRequest, obj: PausedTarget | None = None) -> Any:
+        return ("host", "paused_at", "paused_by") if obj else ("paused_at", "paused_by")
+
+    def save_model(self, request: HttpRequest, obj: PausedTarget, form: Any, change: bool) -> None:
+        if change:
+            return
+        result = ops.target_pause(host=obj.host, actor=request.user, via="admin")
+        obj.pk = PausedTarget.objects.get(host=result.host).pk
+        self.message_user(request, f"Paused {result.host}: held {result.runs} waiting run(s).")
+
+    def delete_model(self, request: HttpRequest, obj: PausedTarget) -> None:
+        result = ops.target_resume(host=obj.host, actor=request.user, via="admin")
+        self.message_user(request, f"Resumed {result.host}: released {result.runs} run(s).")
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[PausedTarget]) -> None:
+        for target in queryset:
+            self.delete_model(request, target)

@@ -6,11 +6,12 @@ has a lower fence than the run's, so none of its writes can match.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.db import connection
-from django.db.models import QuerySet
+from django.db.models import Q, QuerySet
 
 from runs.models import Run
 
@@ -32,6 +33,29 @@ UPDATE runs
    AND (status = 'queued' OR (status = 'running' AND lease_expires_at < %s))
 RETURNING fence, attempt
 """
+# The deliberate bug (see _fence_checks_disabled): any running run can be claimed.
+CLAIM_SQL_WITHOUT_LEASE_CHECK = CLAIM_SQL.replace(
+    "(status = 'queued' OR (status = 'running' AND lease_expires_at < %s))",
+    "(status = 'queued' OR (status = 'running' AND (lease_expires_at < %s OR lease_expires_at IS NOT NULL)))",
+)
+assert CLAIM_SQL_WITHOUT_LEASE_CHECK != CLAIM_SQL
+
+
+def _fence_checks_disabled() -> bool:
+    """A deliberate bug, for the soak's self-test only (tests/reliability/test_soak.py).
+
+    With it the claim ignores a live lease and finish/schedule_retry ignore the
+    fence, so a superseded holder's outcome is recorded: the soak must catch
+    that. Both variables must be set, and only the tests set SCHEDULER_TESTING.
+    """
+    return os.environ.get("SCHEDULER_TESTING") == "1" and os.environ.get("SCHEDULER_TEST_DISABLE_FENCE") == "1"
+
+
+def _holder(run_id: int, fence: int) -> Q:
+    # The WHERE of every outcome write: this run, still running, under this fence.
+    if _fence_checks_disabled():
+        return Q(pk=run_id, status=S.RUNNING)
+    return Q(pk=run_id, fence=fence, status=S.RUNNING)
 
 
 @dataclass(frozen=True)
@@ -51,13 +75,25 @@ def claim(*, run_id: int, worker: str, now: datetime, lease: timedelta) -> Claim
     """Take the run's lease. None means someone else has it: drop the message."""
     with connection.cursor() as cursor:
         cursor.execute(
-            CLAIM_SQL,
+            CLAIM_SQL_WITHOUT_LEASE_CHECK if _fence_checks_disabled() else CLAIM_SQL,
             [worker, _db_time(now + lease), _db_time(now), run_id, False, _db_time(now)],
         )
         row = cursor.fetchone()
     if row is None:
         return None
     return Claim(run_id=run_id, fence=int(row[0]), attempt=int(row[1]), worker=worker)
+
+
+def may_claim(run: Run, now: datetime) -> bool:
+    """The claim's condition, read without writing: whether to try at all. The
+    claim itself still decides (someone may get there between the two)."""
+    if run.held:
+        return False
+    if run.status == S.QUEUED:
+        return True
+    if run.status != S.RUNNING:
+        return False
+    return _fence_checks_disabled() or (run.lease_expires_at is not None and run.lease_expires_at < now)
 
 
 def heartbeat(*, run_id: int, fence: int, now: datetime, lease: timedelta) -> bool:
@@ -71,7 +107,7 @@ def heartbeat(*, run_id: int, fence: int, now: datetime, lease: timedelta) -> bo
 def finish(*, run_id: int, fence: int, status: str, now: datetime, error: str = "") -> bool:
     """Record a terminal outcome under the lease's fence. False: a stale holder."""
     return (
-        Run.objects.filter(pk=run_id, fence=fence, status=S.RUNNING).update(
+        Run.objects.filter(_holder(run_id, fence)).update(
             status=status,
             finished_at=now,
             last_error=error[:2000],
@@ -85,13 +121,28 @@ def finish(*, run_id: int, fence: int, status: str, now: datetime, error: str = 
 def schedule_retry(*, run_id: int, fence: int, due_at: datetime, error: str) -> bool:
     """Back to scheduled with a later due_at: the retry is a row, not a message."""
     return (
-        Run.objects.filter(pk=run_id, fence=fence, status=S.RUNNING).update(
+        Run.objects.filter(_holder(run_id, fence)).update(
             status=S.SCHEDULED,
             due_at=due_at,
             last_error=error[:2000],
             lease_owner="",
             lease_expires_at=None,
             queued_at=None,
+        )
+        == 1
+    )
+
+
+def defer(*, run_id: int, now: datetime, due_at: datetime) -> bool:
+    """Back to scheduled, unclaimed, for a run the worker may not call yet (its
+    target's bulkhead is full or its breaker is open). Only a run nobody holds a
+    live lease on, the claim's own condition; fence and attempt are untouched,
+    so waiting spends no try. False: someone claimed it meanwhile.
+    """
+    nobody_holds_it = Q(status=S.QUEUED) | Q(status=S.RUNNING, lease_expires_at__lt=now)
+    return (
+        Run.objects.filter(nobody_holds_it, pk=run_id, held=False).update(
+            status=S.SCHEDULED, due_at=due_at, queued_at=None, lease_owner="", lease_expires_at=None
         )
         == 1
     )

@@ -117,3 +117,69 @@ class PausedTarget(models.Model):
 
     def __str__(self) -> str:
         return self.host
+
+
+class TargetSlot(models.Model):
+    """One call in flight to a target host: the bulkhead's unit (runs.bulkhead).
+
+    A host has slots 0..SCHEDULER_TARGET_CONCURRENCY-1; a row is a slot taken.
+    The unique (host, slot) pair is what makes taking one atomic without locks,
+    and `expires_at` (a lease, extended by the call's heartbeat) is what frees
+    the slot of a worker that died holding it.
+    """
+
+    host = models.CharField(max_length=300)
+    slot = models.PositiveSmallIntegerField()
+    holder = models.CharField(max_length=300)  # "<run id>/<worker>"
+    taken_at = models.DateTimeField()
+    expires_at = models.DateTimeField()
+
+    class Meta:
+        db_table = "target_slots"
+        constraints = [models.UniqueConstraint(fields=["host", "slot"], name="target_slots_one_holder")]
+
+    def __str__(self) -> str:
+        return f"{self.host}#{self.slot}"
+
+
+class TargetBreaker(models.Model):
+    """A circuit breaker per target host (runs.breakers). No row: closed, never failed."""
+
+    class State(models.TextChoices):
+        CLOSED = "closed"
+        OPEN = "open"  # runs are held until next_probe_at
+        HALF_OPEN = "half_open"  # one probe run is in flight
+
+    host = models.CharField(max_length=300, unique=True)
+    state = models.CharField(max_length=16, choices=State.choices, default=State.CLOSED)
+    failures = models.PositiveIntegerField(default=0)  # consecutive
+    opened_at = models.DateTimeField(null=True, blank=True)
+    next_probe_at = models.DateTimeField(null=True, blank=True)
+    probe_holder = models.CharField(max_length=300, blank=True)
+    probe_until = models.DateTimeField(null=True, blank=True)  # a probe whose worker died frees itself
+    last_failure_at = models.DateTimeField(null=True, blank=True)
+    last_error = models.TextField(blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        db_table = "target_breakers"
+
+    def __str__(self) -> str:
+        return f"{self.host} {self.state}"
+
+
+class BreakerTransition(models.Model):
+    """A breaker's history: each change of state, with why."""
+
+    breaker = models.ForeignKey(TargetBreaker, on_delete=models.CASCADE, related_name="transitions")
+    at = models.DateTimeField()
+    state = models.CharField(max_length=16, choices=TargetBreaker.State.choices)
+    detail = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        db_table = "target_breaker_transitions"
+        ordering = ["-at", "-id"]
+        indexes = [models.Index(fields=["breaker", "-at"], name="breaker_transitions_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.at:%Y-%m-%dT%H:%M:%SZ} {self.state}"

@@ -9,6 +9,7 @@ import logging
 import os
 import socket
 import threading
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.conf import settings
@@ -19,8 +20,8 @@ from django.utils import timezone
 
 from jobs import schedule
 from jobs.models import Job
-from jobs.validators import check_resolved_target
-from runs import claims, delivery, events
+from jobs.validators import check_resolved_target, target_host
+from runs import breakers, bulkhead, claims, delivery, events
 from runs.claims import Claim
 from runs.delivery import CallResult
 from runs.models import Run
@@ -83,10 +84,11 @@ def run_next_create(*, job: Job, now: datetime) -> Run | None:
 
 
 class Heartbeat:
-    """Keeps the lease alive while the target call is in flight, from its own thread."""
+    """Keeps the lease (and the bulkhead slot) alive while the target call is in
+    flight, from its own thread."""
 
-    def __init__(self, claim: Claim, lease: timedelta) -> None:
-        self.claim, self.lease = claim, lease
+    def __init__(self, claim: Claim, lease: timedelta, slot: bulkhead.Slot | None = None) -> None:
+        self.claim, self.lease, self.slot = claim, lease, slot
         self.stopped = threading.Event()
         self.lost = False
         self.thread = threading.Thread(target=self._beat, name=f"heartbeat-{claim.run_id}", daemon=True)
@@ -103,23 +105,96 @@ class Heartbeat:
         interval = max(0.5, self.lease.total_seconds() / 3)
         try:
             while not self.stopped.wait(interval):
-                alive = claims.heartbeat(
-                    run_id=self.claim.run_id, fence=self.claim.fence, now=timezone.now(), lease=self.lease
-                )
-                if not alive:
-                    # Taken over: the call goes on, but its outcome will be refused.
-                    self.lost = True
+                try:
+                    self._beat_once()
+                except Exception:
+                    # A dropped connection (a database restart, a terminated backend)
+                    # costs one beat, not the lease: the next beat reconnects.
+                    logger.warning("heartbeat for run %s failed; trying again", self.claim.run_id, exc_info=True)
+                    connection.close()
+                if self.lost and self.slot is None:
                     return
-        except Exception:  # a heartbeat that fails only shortens the lease
-            logger.exception("heartbeat for run %s failed", self.claim.run_id)
         finally:
             connection.close()
 
+    def _beat_once(self) -> None:
+        now = timezone.now()
+        if not self.lost:
+            alive = claims.heartbeat(run_id=self.claim.run_id, fence=self.claim.fence, now=now, lease=self.lease)
+            # Taken over: the call goes on, but its outcome will be refused.
+            self.lost = not alive
+        if self.slot is not None:
+            # The call is still in flight to the host, taken over or not: it holds its slot.
+            bulkhead.extend(self.slot, now=now, lease=self.lease)
+
+
+@dataclass
+class Gate:
+    """What a run was let through with: a bulkhead slot, and perhaps the breaker's probe."""
+
+    host: str
+    holder: str
+    slot: bulkhead.Slot
+    probe: bool
+    called: bool = False
+
+    def release(self) -> None:
+        try:
+            bulkhead.release(self.slot)
+            if self.probe and not self.called:
+                breakers.release_probe(host=self.host, holder=self.holder)
+        except Exception:  # the slot and the probe run out by themselves
+            logger.warning("could not release %s's slot for %s", self.holder, self.host, exc_info=True)
+
 
 def run_execute(*, run_id: int, worker: str | None = None) -> str:
-    """Claim the run, call its target, record what happened. Returns the outcome."""
+    """Admit, claim, call the target, record what happened. Returns the outcome.
+
+    Admission (the target's breaker, then a bulkhead slot) comes before the claim,
+    so a run that may not be called yet goes back to `scheduled` without its
+    attempt or fence moving: waiting spends no try, and holds no worker.
+    """
     worker = worker or default_worker_id()
     lease = lease_length()
+    run = Run.objects.select_related("job").filter(pk=run_id).first()
+    if run is None or not claims.may_claim(run, timezone.now()):
+        return "not_claimed"  # ended, held, or someone holds a live lease: drop the message
+    gate = _admit(run, worker, lease)
+    if isinstance(gate, str):
+        return gate
+    try:
+        return _claim_and_call(run_id, worker, lease, gate)
+    finally:
+        gate.release()
+
+
+def _admit(run: Run, worker: str, lease: timedelta) -> Gate | str:
+    now = timezone.now()
+    host = target_host(run.job.target)
+    holder = f"{run.pk}/{worker}"
+    probe_lease = timedelta(seconds=run.job.timeout_seconds) + lease
+    admission = breakers.admit(host=host, holder=holder, now=now, probe_lease=probe_lease)
+    if admission.hold_until is not None:
+        probe_at = delivery.iso_z(admission.next_probe_at) if admission.next_probe_at else None
+        return _defer(run, now, admission.hold_until, "held_by_breaker", host=host, state=admission.state,
+                      next_probe_at=probe_at)
+    slot = bulkhead.take(host=host, holder=holder, now=now, lease=lease)
+    if slot is None:
+        if admission.probe:
+            breakers.release_probe(host=host, holder=holder)
+        return _defer(run, now, bulkhead.wait_until(now, host), "bulkhead_wait", host=host, limit=bulkhead.limit())
+    return Gate(host=host, holder=holder, slot=slot, probe=admission.probe)
+
+
+def _defer(run: Run, now: datetime, due_at: datetime, reason: str, **detail: object) -> str:
+    with transaction.atomic():
+        if not claims.defer(run_id=run.pk, now=now, due_at=due_at):
+            return "not_claimed"
+        events.record(run.pk, reason, now, due_at=delivery.iso_z(due_at), **detail)
+    return reason
+
+
+def _claim_and_call(run_id: int, worker: str, lease: timedelta, gate: Gate) -> str:
     with transaction.atomic():
         now = timezone.now()
         claim = claims.claim(run_id=run_id, worker=worker, now=now, lease=lease)
@@ -135,9 +210,19 @@ def run_execute(*, run_id: int, worker: str | None = None) -> str:
     except ValueError as exc:
         return run_record_refusal(run=run, job=job, claim=claim, reason=f"target refused: {exc}")
     request = delivery.build_request(run=run, job=job, claim=claim, signer=_signer_for(job))
-    with Heartbeat(claim, lease):
+    with Heartbeat(claim, lease, gate.slot):
         result = delivery.call(request, timeout_seconds=job.timeout_seconds)
+    gate.called = True
+    _tell_breaker(gate, result)
     return run_record_outcome(run=run, job=job, claim=claim, result=result)
+
+
+def _tell_breaker(gate: Gate, result: CallResult) -> None:
+    try:
+        breakers.record(host=gate.host, holder=gate.holder, trouble=result.retryable, error=result.describe(),
+                        now=timezone.now())
+    except Exception:  # the breaker is advice; the outcome must still be recorded
+        logger.warning("could not record the call's result on %s's breaker", gate.host, exc_info=True)
 
 
 def _signer_for(job: Job) -> delivery.Signer | None:
@@ -159,7 +244,7 @@ def run_record_outcome(*, run: Run, job: Job, claim: Claim, result: CallResult) 
         if result.ok:
             if not claims.finish(run_id=run.pk, fence=claim.fence, status=S.SUCCEEDED, now=now):
                 return _stale(run, claim, now, answered)
-            events.record_many([answered, events.event(run.pk, "succeeded", now)])
+            events.record_many([answered, events.event(run.pk, "succeeded", now, fence=claim.fence)])
             _next_run(job, run, now)
             return "succeeded"
         if result.retryable and claim.attempt <= job.retry_max:
@@ -174,7 +259,8 @@ def run_record_outcome(*, run: Run, job: Job, claim: Claim, result: CallResult) 
             )
             if not claims.schedule_retry(run_id=run.pk, fence=claim.fence, due_at=due_at, error=result.describe()):
                 return _stale(run, claim, now, answered)
-            events.record_many([answered, events.event(run.pk, "retry_scheduled", now, due_at=delivery.iso_z(due_at))])
+            retry = events.event(run.pk, "retry_scheduled", now, due_at=delivery.iso_z(due_at), fence=claim.fence)
+            events.record_many([answered, retry])
             return "retry_scheduled"
         if result.retryable:
             reason = f"out of tries after {claim.attempt} attempts: {result.describe()}"
@@ -195,7 +281,8 @@ def _dead(*, run: Run, job: Job, claim: Claim, reason: str, now: datetime, answe
         return _stale(run, claim, now, answered)
     recipient = job.notify or job.owner.email
     found = [answered] if answered is not None else []
-    events.record_many(found + [events.event(run.pk, "dead", now, reason=reason, notified=recipient)])
+    dead = events.event(run.pk, "dead", now, reason=reason, notified=recipient, fence=claim.fence)
+    events.record_many(found + [dead])
     _next_run(job, run, now)
     transaction.on_commit(lambda: notify_dead(run_id=run.pk, reason=reason))
     return "dead"

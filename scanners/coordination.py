@@ -25,6 +25,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -157,6 +158,8 @@ class ZooKeeperLeases:
         # Set by kazoo's thread on CONNECTED, cleared on SUSPENDED/LOST: the
         # one signal poll() trusts to drop its partitions at once.
         self._connected = threading.Event()
+        # When the link went down (monotonic), None while connected: see _next_step.
+        self._link_lost_at: float | None = time.monotonic()
         self._stopping = False
         self._partitioner: SetPartitioner | None = None
         self._partitioner_session: int | None = None
@@ -235,9 +238,12 @@ class ZooKeeperLeases:
     def _on_state(self, state: KazooState) -> None:
         # Runs on kazoo's connection thread: no blocking, no ZooKeeper calls.
         if state == KazooState.CONNECTED:
+            self._link_lost_at = None
             self._connected.set()
         else:  # SUSPENDED or LOST: we may no longer hold our locks
             self._connected.clear()
+            if self._link_lost_at is None:
+                self._link_lost_at = time.monotonic()
 
     # ----------------------------------------------------------------- reading state
 
@@ -278,7 +284,17 @@ class ZooKeeperLeases:
     # ----------------------------------------------------------------- steps
 
     def _next_step(self) -> Callable[[], None] | None:
-        if self._stopping or not self._connected.is_set():
+        if self._stopping:
+            return None
+        if not self._connected.is_set():
+            lost_at = self._link_lost_at
+            if lost_at is not None and time.monotonic() - lost_at > settings.SCHEDULER_ZK_SESSION_TIMEOUT * 1.5:
+                # kazoo has no client-side expiry: it keeps offering the old session and
+                # the last zxid it saw. A ZooKeeper that restarted with its state wiped
+                # refuses such a client until its own zxid catches up, which in a quiet
+                # cluster is never. The session is over server-side by now anyway: a new
+                # one starts from zxid 0.
+                return self._renew_session
             return None  # nothing to do until kazoo reconnects
         partitioner = self._partitioner
         session = self._session()
@@ -351,10 +367,11 @@ class ZooKeeperLeases:
         old, self._partitioner = self._partitioner, None
         if client is None or self._stopping:
             return
+        self._link_lost_at = time.monotonic()  # one renewal per session timeout at most
         if old is not None:
             client.remove_listener(old._establish_sessionwatch)
-        logger.warning("scanner %s: partitioner failed; starting a new ZooKeeper session",
-                       self.identifier)
+        logger.warning("scanner %s: partitioner failed or link down past the session timeout; "
+                       "starting a new ZooKeeper session", self.identifier)
         client.stop()
         if not self._stopping:  # stop() closes the client; don't reopen it
             client.start_async()

@@ -30,6 +30,17 @@ def env_int(name: str, default: int) -> int:
         raise ImproperlyConfigured(f"{name} must be a whole number, not {raw!r}") from exc
 
 
+def env_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ImproperlyConfigured(f"{name} must be 1 or 0, not {raw!r}")
+
+
 def env_list(name: str, default: str = "") -> list[str]:
     return [part.strip() for part in env_str(name, default).split(",") if part.strip()]
 
@@ -64,6 +75,9 @@ if EMBEDDED:
     SECRET_KEY = env_str("SECRET_KEY") or embedded_secret_key()
 else:
     DATABASES = {"default": dj_database_url.parse(env_str("DATABASE_URL"), conn_max_age=60)}
+    if env_str("SCHEDULER_DB_APPLICATION_NAME"):
+        # Names this process's connections in pg_stat_activity (the soak finds a worker's by it).
+        DATABASES["default"].setdefault("OPTIONS", {})["application_name"] = env_str("SCHEDULER_DB_APPLICATION_NAME")
     SECRET_KEY = env_str("SECRET_KEY")
     if not SECRET_KEY:
         raise ImproperlyConfigured(
@@ -105,7 +119,25 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "jobs.audit.AuditContextMiddleware",  # the caller's address, for audit entries
 ]
+
+# --- Transport security (docs/security.md). The production layout is safe by default:
+# secure cookies and HSTS; `check --deploy` is clean once TLS is in front
+# (SCHEDULER_BEHIND_TLS_PROXY=1, or SCHEDULER_SSL_REDIRECT=1 when gunicorn itself
+# serves TLS). Plain-http redirects stay off otherwise, so the test client and the
+# embedded mode (one machine, http on loopback) keep working.
+SCHEDULER_BEHIND_TLS_PROXY = env_bool("SCHEDULER_BEHIND_TLS_PROXY", False)
+if SCHEDULER_BEHIND_TLS_PROXY:
+    # Only trustworthy when the proxy sets (overwrites) X-Forwarded-Proto itself.
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+SECURE_SSL_REDIRECT = env_bool("SCHEDULER_SSL_REDIRECT", SCHEDULER_BEHIND_TLS_PROXY)
+if not EMBEDDED:
+    SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = env_bool("SCHEDULER_SECURE_COOKIES", True)
+    SECURE_HSTS_SECONDS = env_int("SCHEDULER_HSTS_SECONDS", 365 * 24 * 3600)
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("SCHEDULER_HSTS_INCLUDE_SUBDOMAINS", True)
+    SECURE_HSTS_PRELOAD = env_bool("SCHEDULER_HSTS_PRELOAD", True)
+X_FRAME_OPTIONS = "DENY"
 
 ROOT_URLCONF = "scheduler_project.urls"
 WSGI_APPLICATION = "scheduler_project.wsgi.application"
@@ -151,11 +183,12 @@ MAX_PAYLOAD_BYTES = 256 * 1024
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": ["rest_framework.authentication.TokenAuthentication"],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
-    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.PageNumberPagination",
+    "DEFAULT_PAGINATION_CLASS": "jobs.pagination.StrictPageNumberPagination",  # ?page=x is a 400, not page 1
     "PAGE_SIZE": 50,
     "DEFAULT_THROTTLE_CLASSES": ["rest_framework.throttling.UserRateThrottle"],
     "DEFAULT_THROTTLE_RATES": {"user": env_str("SCHEDULER_API_THROTTLE", "600/min")},
-    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    # drf-spectacular's, plus the 401/404/429... every operation can answer (jobs.api).
+    "DEFAULT_SCHEMA_CLASS": "jobs.api.ApiSchema",
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
     "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
 }
@@ -210,7 +243,17 @@ SCHEDULER_MISFIRE_GRACE = env_int("SCHEDULER_MISFIRE_GRACE", 60)
 SCHEDULER_TARGET_ALLOWLIST = env_list("SCHEDULER_TARGET_ALLOWLIST")
 SCHEDULER_API_THROTTLE = env_str("SCHEDULER_API_THROTTLE", "600/min")
 SCHEDULER_TARGET_CONCURRENCY = env_int("SCHEDULER_TARGET_CONCURRENCY", 10)
+# A run over the bulkhead waits about this many seconds (jittered) before it tries again.
+SCHEDULER_BULKHEAD_WAIT = float(env_str("SCHEDULER_BULKHEAD_WAIT", "1") or 1)
+# A target host's breaker opens after this many failed calls in a row, and lets one
+# probe through after the cooldown (seconds, jittered).
+SCHEDULER_BREAKER_FAILURES = env_int("SCHEDULER_BREAKER_FAILURES", 5)
+SCHEDULER_BREAKER_COOLDOWN = env_int("SCHEDULER_BREAKER_COOLDOWN", 30)
 SCHEDULER_SIGNING_OVERLAP = env_str("SCHEDULER_SIGNING_OVERLAP", "24h")
+# Limits (docs/security.md): jobs a service may have (deleted ones do not count), and
+# the shortest gap a cron schedule may have between two runs ("1m": any 5-field cron).
+SCHEDULER_MAX_JOBS_PER_SERVICE = env_int("SCHEDULER_MAX_JOBS_PER_SERVICE", 10000)
+SCHEDULER_MIN_INTERVAL = env_str("SCHEDULER_MIN_INTERVAL", "1m")
 # Ours: partitions are fixed for a deployment (a run's partition is stored on it).
 SCHEDULER_PARTITIONS = env_int("SCHEDULER_PARTITIONS", 16)
 SCHEDULER_SCAN_BATCH = env_int("SCHEDULER_SCAN_BATCH", 500)
@@ -223,6 +266,13 @@ SCHEDULER_ZK_TIME_BOUNDARY = float(env_str("SCHEDULER_ZK_TIME_BOUNDARY", "2") or
 SCHEDULER_BACKFILL_MAX_RUNS = env_int("SCHEDULER_BACKFILL_MAX_RUNS", 10000)
 SCHEDULER_MISFIRE_MAX_SKIPPED = env_int("SCHEDULER_MISFIRE_MAX_SKIPPED", 1000)
 SCHEDULER_ENCRYPTION_KEY = env_str("SCHEDULER_ENCRYPTION_KEY")
+# Set: GET /metrics needs "Authorization: Bearer <token>"; unset: /metrics is open.
+SCHEDULER_METRICS_TOKEN = env_str("SCHEDULER_METRICS_TOKEN")
+
+# The receiver helper (target side, receiver.views.idempotent_run): when secrets are
+# set it refuses calls without a valid X-Signature (two during a rotation).
+RECEIVER_SIGNING_SECRETS = env_list("RECEIVER_SIGNING_SECRETS")
+RECEIVER_SIGNATURE_TOLERANCE = env_int("RECEIVER_SIGNATURE_TOLERANCE", 300)
 
 EMAIL_BACKEND = env_str("EMAIL_BACKEND", "django.core.mail.backends.console.EmailBackend")
 DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "scheduler@localhost")
@@ -236,3 +286,8 @@ LOGGING = {
         "scheduler": {"handlers": ["console"], "level": env_str("SCHEDULER_LOG_LEVEL", "INFO")},
     },
 }
+
+# Benches only (bench/run.py beat): the side-by-side with celery beat's DatabaseScheduler.
+if env_str("SCHEDULER_BENCH_BEAT") == "1":
+    INSTALLED_APPS.append("django_celery_beat")
+    CELERY_IMPORTS = ["bench.beat_tasks"]

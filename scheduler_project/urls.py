@@ -7,13 +7,15 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.routers import SimpleRouter
 
-from jobs.api import JobViewSet, RunViewSet
+from jobs.api import AuditViewSet, JobViewSet, RunViewSet
+from runs.metrics import metrics_view
 from scheduler_project import demo
 
 # SimpleRouter, not DefaultRouter: no browsable API root view to document or guard.
 router = SimpleRouter()
 router.register("jobs", JobViewSet, basename="job")
 router.register("runs", RunViewSet, basename="run")
+router.register("audit", AuditViewSet, basename="audit")
 
 urlpatterns = [
     path("admin/", admin.site.urls),
@@ -23,7 +25,8 @@ urlpatterns = [
     # drf-spectacular-sidecar's static files, not a CDN.
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
-    # --- metrics: path("metrics", ...) goes here (Prometheus text format, CONTRACT "Operations surface").
+    # Prometheus text format (CONTRACT "Operations surface"); SCHEDULER_METRICS_TOKEN, if set, guards it.
+    path("metrics", metrics_view, name="metrics"),
 ]
 
 if settings.EMBEDDED:

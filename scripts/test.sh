@@ -38,7 +38,14 @@ if ! redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1; then
   for _ in $(seq 100); do redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1 && break; sleep 0.1; done
 fi
 
-# 3. ZooKeeper, ours, on a port of its own.
+# 3. Headless Chromium for the admin's browser tests (Debian's package; Playwright only drives it).
+if ! command -v chromium >/dev/null; then
+  log "installing chromium"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+fi
+
+# 4. ZooKeeper, ours, on a port of its own.
 ZK_PORT=${ZK_PORT:-21810}
 export ZK_DIR=${ZK_DIR:-/tmp/scheduler-zookeeper-test-$ZK_PORT}
 log "starting ZooKeeper on 127.0.0.1:$ZK_PORT"
@@ -46,7 +53,7 @@ scripts/zookeeper.sh start "$ZK_PORT" "$ZK_DIR"
 cleanup() { scripts/zookeeper.sh stop "$ZK_PORT" "$ZK_DIR" || true; }
 trap cleanup EXIT
 
-# 4. The production layout.
+# 5. The production layout.
 export DATABASE_URL=${TEST_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/scheduler}
 export SECRET_KEY=${SECRET_KEY:-test-only-secret-key-not-for-production-0123456789abcdef}
 export CELERY_BROKER_URL=${TEST_BROKER_URL:-redis://127.0.0.1:6379/11}
@@ -56,7 +63,7 @@ export PYTHONDONTWRITEBYTECODE=1
 log "pytest: production layout (PostgreSQL, Redis, ZooKeeper)"
 .venv/bin/pytest "$@"
 
-# 5. The embedded defaults: no DATABASE_URL, broker or coordinator settings.
+# 6. The embedded defaults: no DATABASE_URL, broker or coordinator settings.
 embedded_dir=$(mktemp -d /tmp/scheduler-embedded-XXXXXX)
 log "pytest: embedded defaults (SQLite in $embedded_dir)"
 env -u DATABASE_URL -u CELERY_BROKER_URL -u ZOOKEEPER_HOSTS -u SECRET_KEY \

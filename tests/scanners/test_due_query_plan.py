@@ -11,32 +11,41 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 ROWS = 1_000_000
 
-FILL_JOBS = """
-INSERT INTO jobs (owner_id, name, schedule, timezone, target, method, headers, secret_headers,
-                  secret_header_names, window_seconds, misfire, retry_max, retry_backoff,
-                  retry_base_seconds, retry_cap_seconds, timeout_seconds, notify, paused, state,
-                  created_at, updated_at)
-SELECT %s, 'bulk', '0 2 * * *', 'UTC', 'http://127.0.0.1:9/h', 'POST', '{}', '', '[]', 0, 'run_once', 3,
-       'exponential', 10, 3600, 30, '', false, 'active', now(), now()
-  FROM generate_series(1, %s)
-"""
+def fill_sql() -> tuple[str, str]:
+    """INSERT ... SELECT statements for a job per row and one future run per job; every
+    column not named takes its model default (bench.load.defaults_sql), so new fields need
+    no change here."""
+    from bench.load import defaults_sql
+    from jobs.models import Job
+    from runs.models import Run
 
-# One future run per job, spread over the next year, in 16 partitions.
-FILL_RUNS = """
-INSERT INTO runs (job_id, scheduled_for, due_at, partition, status, held, attempt, fence, lease_owner,
-                  last_error, is_backfill, created_at)
-SELECT j.id, t, t, j.id %% 16, 'scheduled', false, 0, 0, '', '', false, now()
-  FROM (SELECT id, %s::timestamptz + (id %% 525600) * interval '1 minute' AS t FROM jobs WHERE name = 'bulk') j
-"""
+    job_cols, job_vals = defaults_sql(
+        Job,
+        {"owner_id": "%s", "name": "'bulk'", "schedule": "'0 2 * * *'", "target": "'http://127.0.0.1:9/h'",
+         "created_at": "now()", "updated_at": "now()"},
+    )
+    run_cols, run_vals = defaults_sql(
+        Run,
+        {"job_id": "j.id", "scheduled_for": "j.t", "due_at": "j.t", "partition": "j.id %% 16",
+         "status": "'scheduled'", "created_at": "now()"},
+    )
+    fill_jobs = f"INSERT INTO jobs ({job_cols}) SELECT {job_vals} FROM generate_series(1, %s)"
+    # One future run per job, spread over the next year, in 16 partitions.
+    fill_runs = (
+        f"INSERT INTO runs ({run_cols}) SELECT {run_vals} FROM (SELECT id, %s::timestamptz "
+        "+ (id %% 525600) * interval '1 minute' AS t FROM jobs WHERE name = 'bulk') j"
+    )
+    return fill_jobs, fill_runs
 
 
 @pytest.mark.skipif(connection.vendor != "postgresql", reason="the plan is PostgreSQL's")
 def test_the_due_query_is_an_index_scan_on_the_partial_index_with_a_million_future_runs() -> None:
     owner = make_job().owner
     now = utc("2026-10-28T20:30:00Z")
+    fill_jobs, fill_runs = fill_sql()
     with connection.cursor() as cursor:
-        cursor.execute(FILL_JOBS, [owner.pk, ROWS])
-        cursor.execute(FILL_RUNS, [utc("2026-10-28T21:00:00Z")])
+        cursor.execute(fill_jobs, [owner.pk, ROWS])
+        cursor.execute(fill_runs, [utc("2026-10-28T21:00:00Z")])
         cursor.execute("ANALYZE runs")
         cursor.execute("SELECT count(*) FROM runs WHERE status = 'scheduled'")
         assert cursor.fetchone()[0] >= ROWS

@@ -1,4 +1,5 @@
 """`python manage.py backfill JOB_ID --since T --until T [--dry-run]`."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -6,8 +7,10 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils import timezone
 
+from jobs.audit import audit_record
 from jobs.management.commands._common import get_job, parse_utc
 from jobs.services import BackfillError, backfill_plan, job_backfill
+from runs.delivery import iso_z
 
 CHUNK = 500  # runs created per transaction, so a large range shows progress and holds no long lock
 
@@ -32,12 +35,34 @@ class Command(BaseCommand):
         except BackfillError as exc:
             raise CommandError(str(exc)) from exc
         verb = "would create" if dry_run else "created"
+        span = f" from {iso_z(plan.times[0])} to {iso_z(plan.times[-1])}" if plan.times else ""
         if dry_run or not plan.times:
-            self.stdout.write(f"{job.public_id}: {verb} {len(plan.times)} runs; {plan.existing} times already had a run")
+            self.stdout.write(
+                f"{job.public_id}: {verb} {len(plan.times)} runs{span}; {plan.existing} times already had a run"
+            )
             return
         made = 0
         for i in range(0, len(plan.times), CHUNK):
             made += len(job_backfill(job=job, times=plan.times[i : i + CHUNK]))
-            if len(plan.times) > CHUNK:
-                self.stderr.write(f"  {made}/{len(plan.times)} runs")
-        self.stdout.write(f"{job.public_id}: {verb} {made} runs; {plan.existing} times already had a run")
+            if len(plan.times) > CHUNK:  # a progress bar only when there is something to wait for
+                self._progress(i + min(CHUNK, len(plan.times) - i), len(plan.times))
+        if made:
+            audit_record(
+                actor=None,
+                via="command",
+                action="backfilled",
+                obj=job,
+                detail={"runs": made, "since": iso_z(start), "until": iso_z(end)},
+            )
+        self.stdout.write(f"{job.public_id}: {verb} {made} runs{span}; {plan.existing} times already had a run")
+
+    def _progress(self, done: int, total: int, width: int = 30) -> None:
+        """A bar on stderr (stdout stays the one-line result scripts read); redrawn in
+        place on a terminal, one line per chunk otherwise (logs)."""
+        filled = width * done // total
+        bar = f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} runs"
+        if self.stderr.isatty():
+            self.stderr.write(f"\r{bar}", ending="\n" if done == total else "")
+            self.stderr.flush()
+        else:
+            self.stderr.write(bar)

@@ -4,7 +4,10 @@ from __future__ import annotations
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import transaction
 
+from jobs.audit import audit_record
+from jobs.models import ServiceAccount
 from jobs.services import service_account_ensure
 
 
@@ -19,8 +22,12 @@ class Command(BaseCommand):
         name = name.strip()
         if not name or len(name) > 150 or any(c.isspace() for c in name):
             raise CommandError("NAME must be 1 to 150 characters with no spaces")
+        existed = ServiceAccount.objects.filter(user__username=name).exists()
         try:
-            _, token = service_account_ensure(name=name, email=email)
+            with transaction.atomic():
+                user, token = service_account_ensure(name=name, email=email)
+                # Showing an existing token is a read of a credential: audited too.
+                audit_record(actor=None, via="command", action="token_shown" if existed else "created", obj=user)
         except ValueError as exc:
             raise CommandError(str(exc)) from exc
         self.stdout.write(token)

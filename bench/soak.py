@@ -1,0 +1,713 @@
+"""Break it: a fault-injection soak on the production layout.
+
+    .venv/bin/python bench/soak.py --duration 120 [--settle 45] [--db sched_soak] [--json PATH]
+
+Its own PostgreSQL databases (the scheduler's and the target's), a private Redis,
+a private ZooKeeper, an idempotent target on two loopback ports (bench/soak_target.py),
+two scanners and two workers. Jobs (every-minute cron, one-off `at`, a stream of
+`delay` jobs; some with windows, all with retries) run for --duration seconds
+while faults are injected at random, each kind about as often as the others:
+
+  worker_kill    kill -9 of a worker in the middle of a call, then a restart
+  worker_stop    SIGSTOP of a worker in the middle of a call, past its lease, then SIGCONT
+  scanner_kill   kill -9 of a scanner, then a restart
+  redis_flush    FLUSHALL on the broker: every queued message is lost
+  zk_restart     ZooKeeper stopped and started again (its state wiped: every session ends)
+  pg_terminate   pg_terminate_backend on a worker's connections (found by application_name)
+  target_slow    one target host answers in 3 s for a while
+  target_errors  one target host answers 503 for a while
+  duplicate_delivery  every running run's message delivered again (brokers deliver at least once)
+
+Then every process is healed, the soak waits --settle seconds, and measures: runs due
+(by the measurement minus --margin), started, succeeded, dead (why), missed (due
+but never started), effects the target applied twice, stale writes rejected, the
+invariants of runs/invariants.py, lateness past the window, each fault's count,
+and the handover times. It prints one table, writes a JSON summary, and exits 1
+if a run was missed, an effect applied twice, or an invariant broken.
+
+Bounded: it stops by itself (an alarm ends it after duration + settle + 10 minutes
+whatever happens), and everything it starts it stops, by process id.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import re
+import signal
+import statistics
+import sys
+import threading
+import time
+import traceback
+from collections import Counter, defaultdict
+from datetime import datetime, timedelta, timezone as dt_timezone
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.soak_stack import ROOT, Databases, Fleet, PrivateRedis, Target, ZooKeeper  # noqa: E402
+
+KINDS = ("worker_kill", "worker_stop", "scanner_kill", "redis_flush", "zk_restart", "pg_terminate",
+         "target_slow", "target_errors", "duplicate_delivery")
+PARTITION_LINE = re.compile(r"^partitions \[([\d, ]*)\] at ([\d.]+)\s*$", re.M)
+DEFERRALS = ("bulkhead_wait", "held_by_breaker")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--duration", type=float, default=120, help="seconds of load with faults")
+    p.add_argument("--settle", type=float, default=45, help="seconds of healthy running before measuring")
+    p.add_argument("--margin", type=float, default=10, help="runs due later than measurement minus this are not judged")
+    p.add_argument("--jobs", type=int, default=24, help="cron and `at` jobs made at the start")
+    p.add_argument("--delay-every", type=float, default=2.0, help="a new `delay` job every this many seconds")
+    p.add_argument("--faults-per-kind", type=int, default=0, help="default: as many as fit, about one every 20 s")
+    p.add_argument("--kinds", default=",".join(KINDS), help="comma-separated fault kinds to inject")
+    p.add_argument("--scanners", type=int, default=2)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--concurrency", type=int, default=4, help="each worker's prefork pool")
+    p.add_argument("--lease", type=int, default=4, help="SCHEDULER_LEASE_SECONDS")
+    p.add_argument("--scan-interval", type=float, default=0.5)
+    p.add_argument("--requeue-after", type=int, default=5)
+    p.add_argument("--zk-session", type=float, default=4)
+    p.add_argument("--zk-boundary", type=float, default=1)
+    p.add_argument("--target-concurrency", type=int, default=3)
+    p.add_argument("--breaker-failures", type=int, default=5)
+    p.add_argument("--breaker-cooldown", type=int, default=5)
+    p.add_argument("--pg", default=_pg_server(), help="PostgreSQL server URL, without a database")
+    p.add_argument("--db", default="sched_soak", help="the scheduler's database (the target's gets _target)")
+    p.add_argument("--json", default=str(ROOT / "bench" / "results" / "soak.json"))
+    p.add_argument("--workdir", default="", help="logs go here (default: a new /tmp/sched-soak-* folder)")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--drop", action="store_true", help="drop both databases at the end")
+    p.add_argument("--inject-bug", action="store_true",
+                   help="turn on the deliberate fence bug (runs/claims.py) in the workers: the soak must fail")
+    p.add_argument("--stop-on-violation", action="store_true", help="end the faults early once an invariant breaks")
+    return p.parse_args(argv)
+
+
+def _pg_server() -> str:
+    url = os.environ.get("DATABASE_URL", "")
+    return url.rsplit("/", 1)[0] if url.startswith("postgres") else "postgres://postgres@127.0.0.1:5432"
+
+
+def utc(ts: float) -> datetime:
+    return datetime.fromtimestamp(ts, dt_timezone.utc)
+
+
+class Soak:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.kinds = [k for k in args.kinds.split(",") if k]
+        unknown = set(self.kinds) - set(KINDS)
+        if unknown:
+            raise SystemExit(f"unknown fault kinds: {', '.join(sorted(unknown))}")
+        self.workdir = Path(args.workdir) if args.workdir else Path(f"/tmp/sched-soak-{int(time.time())}")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.dbs = Databases(args.pg, args.db)
+        self.redis: PrivateRedis | None = None
+        self.zk = ZooKeeper()
+        self.target: Target | None = None
+        self.fleet: Fleet | None = None
+        self.modes: dict[int, dict[str, Any]] = {}
+        self.faults: list[dict[str, Any]] = []
+        self.worker_losses: list[dict[str, Any]] = []  # (kind, at, runs in flight) for worker handovers
+        self.scanner_deaths: list[dict[str, Any]] = []
+        self.zk_restarts: list[float] = []
+        self.stop_stream = threading.Event()
+        self.stopped_early = ""
+
+    # ----------------------------------------------------------------- the layout
+
+    def env(self) -> dict[str, str]:
+        a = self.args
+        assert self.redis is not None
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SCHEDULER_", "DJANGO_"))}
+        env.update({
+            "DATABASE_URL": self.dbs.url(),
+            "SECRET_KEY": "soak-only-secret-key-0123456789abcdefghijklmnopqrstuvwxyz",
+            "CELERY_BROKER_URL": self.redis.url,
+            "ZOOKEEPER_HOSTS": self.zk.hosts,
+            "SCHEDULER_ZK_ROOT": "/scheduler-soak",
+            "SCHEDULER_RUN_QUEUE": "runs-soak",
+            "SCHEDULER_DATA_DIR": str(self.workdir / "var"),
+            "SCHEDULER_LEASE_SECONDS": str(a.lease),
+            "SCHEDULER_SCAN_INTERVAL": str(a.scan_interval),
+            "SCHEDULER_REQUEUE_AFTER": str(a.requeue_after),
+            "SCHEDULER_ZK_SESSION_TIMEOUT": str(a.zk_session),
+            "SCHEDULER_ZK_TIME_BOUNDARY": str(a.zk_boundary),
+            "SCHEDULER_TARGET_CONCURRENCY": str(a.target_concurrency),
+            "SCHEDULER_BREAKER_FAILURES": str(a.breaker_failures),
+            "SCHEDULER_BREAKER_COOLDOWN": str(a.breaker_cooldown),
+            "SCHEDULER_LOG_LEVEL": "WARNING",
+            "EMAIL_BACKEND": "django.core.mail.backends.dummy.EmailBackend",
+            "PYTHONUNBUFFERED": "1",
+        })
+        for name in ("DEBUG", "RECEIVER_SIGNING_SECRETS"):
+            env.pop(name, None)
+        return env
+
+    def up(self) -> None:
+        self.redis = PrivateRedis(self.workdir)
+        self.zk.start()
+        env = self.env()
+        self.dbs.create(env)
+        self.target = Target({**env, "DATABASE_URL": self.dbs.url(target=True)}, self.workdir)
+        self.target.start()
+        worker_env = dict(env)
+        if self.args.inject_bug:
+            worker_env.update({"SCHEDULER_TESTING": "1", "SCHEDULER_TEST_DISABLE_FENCE": "1"})
+        self.fleet = Fleet(worker_env, self.workdir, self.args.concurrency)
+        for i in range(self.args.scanners):
+            self.fleet.start(f"scanner-{chr(97 + i)}")
+        for i in range(self.args.workers):
+            self.fleet.start(f"worker-{chr(97 + i)}")
+        self._django(env)
+        from scanners.coordination import all_partitions
+
+        every = set(all_partitions())
+        # Start the clock once the scanners share every partition between them.
+        self._wait(lambda: set().union(*(self._owned_now(n) for n in self.fleet.names("scanner"))) == every, 60,
+                   "the scanners to own every partition")
+
+    def _django(self, env: dict[str, str]) -> None:
+        os.environ.update(env)
+        os.environ["SCHEDULER_DB_APPLICATION_NAME"] = "soak-driver"
+        os.environ["DJANGO_SETTINGS_MODULE"] = "scheduler_project.settings"
+        import django
+
+        django.setup()
+
+    def down(self) -> None:
+        if self.fleet is not None:
+            self.fleet.stop_all()
+        if self.target is not None:
+            self.target.stop()
+        if self.redis is not None:
+            self.redis.stop()
+        try:
+            self.zk.stop()
+        except Exception:
+            traceback.print_exc()
+        if self.args.drop:
+            from django.db import connections
+
+            connections.close_all()
+            self.dbs.drop()
+
+    def _wait(self, predicate: Any, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+            time.sleep(0.2)
+
+    # ----------------------------------------------------------------- the load
+
+    def make_jobs(self) -> None:
+        from jobs.services import job_create, service_account_ensure
+
+        self.owner, _ = service_account_ensure(name="soak")
+        assert self.target is not None
+        now = time.time()
+        crons = self.args.jobs * 2 // 3
+        for i in range(self.args.jobs):
+            fields = self._job_fields(f"j{i}")
+            if i < crons:
+                fields.update(schedule="* * * * *", window_seconds=random.choice([0, 0, 5, 20]))
+            else:
+                fields.update(run_at=utc(int(now + random.uniform(10, self.args.duration))),
+                              window_seconds=random.choice([0, 5]))
+            job_create(owner=self.owner, fields=fields)
+        self.stream = threading.Thread(target=self._delay_stream, name="delay-jobs", daemon=True)
+        self.stream.start()
+
+    def _job_fields(self, name: str) -> dict[str, Any]:
+        assert self.target is not None
+        port = random.choice(self.target.ports)
+        return {
+            "name": name, "target": self.target.url(port, name), "payload": {"job": name},
+            "retry_max": 5, "retry_backoff": "exponential", "retry_base_seconds": 1, "retry_cap_seconds": 8,
+            "timeout_seconds": 10,
+        }
+
+    def _delay_stream(self) -> None:
+        from django.db import connection
+
+        from jobs.services import job_create
+
+        n = 0
+        try:
+            while not self.stop_stream.wait(self.args.delay_every):
+                n += 1
+                fields = self._job_fields(f"d{n}")
+                fields.update(run_at=utc(int(time.time() + random.uniform(1, 8)) + 1),
+                              window_seconds=random.choice([0, 0, 3]))
+                try:
+                    job_create(owner=self.owner, fields=fields)
+                except Exception:
+                    traceback.print_exc()
+                    connection.close()
+        finally:
+            connection.close()
+
+    # ----------------------------------------------------------------- the faults
+
+    def plan(self) -> list[tuple[float, str]]:
+        """Fault times from a short warm-up to the end, each kind about as often."""
+        warmup = min(10.0, self.args.duration / 5)
+        per_kind = self.args.faults_per_kind or max(1, int((self.args.duration - warmup) / 20 / len(self.kinds)))
+        kinds: list[str] = []
+        for _ in range(per_kind):
+            cycle = list(self.kinds)
+            random.shuffle(cycle)
+            kinds += cycle
+        step = (self.args.duration - warmup) / len(kinds)
+        return [(warmup + i * step + random.uniform(0, step / 3), kind) for i, kind in enumerate(kinds)]
+
+    def inject(self) -> None:
+        plan = self.plan()  # before the job stream's thread also draws from `random`
+        self.started = time.time()
+        self.make_jobs()
+        last_check = time.time()
+        for offset, kind in plan:
+            while time.time() < self.started + offset:
+                time.sleep(0.2)
+                if self.args.stop_on_violation and time.time() - last_check > 5:
+                    last_check = time.time()
+                    if self._violations_now():
+                        return
+            at = time.time()
+            try:
+                detail = getattr(self, f"fault_{kind}")()
+            except Exception as exc:  # a fault that could not be injected is reported, the soak goes on
+                detail = {"error": repr(exc)}
+                traceback.print_exc()
+            detail.setdefault("hit", _hit(kind, detail))
+            self.faults.append({"kind": kind, "at": at, "t": round(at - self.started, 1), **detail})
+            print(f"[{at - self.started:7.1f}s] {kind} {json.dumps(detail)}", flush=True)
+        while time.time() < self.started + self.args.duration:
+            time.sleep(0.2)
+
+    def _violations_now(self) -> bool:
+        from runs.invariants import timelines
+
+        found = timelines()
+        if found:
+            self.stopped_early = found[0]
+            print(f"stopping early: {found[0]}", flush=True)
+        return bool(found)
+
+    def _worker_mid_call(self) -> tuple[str, list[tuple[int, int]]]:
+        """A worker with a call in flight (waiting up to 5 s for one), and its runs."""
+        from django.utils import timezone
+
+        from runs.models import Run
+
+        assert self.fleet is not None
+        names = self.fleet.names("worker")
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            random.shuffle(names)
+            for name in names:
+                running = list(
+                    Run.objects.filter(status=Run.Status.RUNNING, lease_owner__startswith=f"{name}@",
+                                       lease_expires_at__gt=timezone.now()).values_list("pk", "fence")
+                )
+                if running and not self.fleet.procs[name].stopped:
+                    return name, running
+            time.sleep(0.05)
+        return random.choice(names), []
+
+    def fault_worker_kill(self) -> dict[str, Any]:
+        assert self.fleet is not None
+        name, running = self._worker_mid_call()
+        at = time.time()
+        self.fleet.procs[name].kill()
+        self.worker_losses.append({"kind": "worker_kill", "at": at, "runs": running})
+        time.sleep(random.uniform(0.5, 2))
+        self.fleet.start(name)
+        return {"worker": name, "runs_in_flight": len(running)}
+
+    def fault_worker_stop(self) -> dict[str, Any]:
+        assert self.fleet is not None
+        name, running = self._worker_mid_call()
+        proc = self.fleet.procs[name]
+        at = time.time()
+        proc.freeze()
+        self.worker_losses.append({"kind": "worker_stop", "at": at, "runs": running})
+        stopped_for = self.args.lease + 2 * self.args.scan_interval + 1.5  # past the lease and a scan
+        time.sleep(stopped_for)
+        proc.thaw()
+        return {"worker": name, "runs_in_flight": len(running), "stopped_s": stopped_for}
+
+    def fault_scanner_kill(self) -> dict[str, Any]:
+        assert self.fleet is not None
+        # A scanner that owns partitions right now (after a ZooKeeper restart all may own none for a while).
+        names = self.fleet.names("scanner")
+        deadline = time.monotonic() + 15
+        while not any(self._owned_now(n) for n in names) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        name = random.choice([n for n in names if self._owned_now(n)] or names)
+        proc = self.fleet.procs[name]
+        owned = self._owned_now(name)
+        at = time.time()
+        proc.kill()
+        self.scanner_deaths.append({"at": at, "name": name, "generation": proc.generation, "owned": sorted(owned)})
+        time.sleep(random.uniform(1, 3))
+        self.fleet.start(name)
+        return {"scanner": name, "owned": sorted(owned)}
+
+    def fault_duplicate_delivery(self) -> dict[str, Any]:
+        from runs.models import Run
+        from scanners.scan import publish_runs
+
+        deadline = time.monotonic() + 5
+        running: list[int] = []
+        while not running and time.monotonic() < deadline:
+            running = list(Run.objects.filter(status=Run.Status.RUNNING).values_list("pk", flat=True))
+            time.sleep(0.05)
+        if running:
+            publish_runs(running)
+        return {"runs": len(running)}
+
+    def fault_redis_flush(self) -> dict[str, Any]:
+        assert self.redis is not None
+        self.redis.flushall()
+        return {}
+
+    def fault_zk_restart(self) -> dict[str, Any]:
+        at = time.time()
+        self.zk.stop()
+        self.zk_restarts.append(at)
+        time.sleep(random.uniform(0.5, 2))
+        self.zk.start()
+        return {"down_s": round(time.time() - at, 1)}
+
+    def fault_pg_terminate(self) -> dict[str, Any]:
+        assert self.fleet is not None
+        names = self.fleet.names("worker")
+        deadline = time.monotonic() + 15  # a worker whose processes hold no connection now has nothing to end
+        while True:
+            random.shuffle(names)
+            for name in names:
+                ended = self.dbs.terminate(f"soak-{name}")
+                if ended:
+                    return {"worker": name, "connections": ended}
+            if time.monotonic() > deadline:
+                return {"worker": "", "connections": 0}
+            time.sleep(0.2)
+
+    def _misbehave(self, mode: str, seconds: float) -> dict[str, Any]:
+        assert self.target is not None
+        port = random.choice(self.target.ports)
+        self.modes[port] = {"mode": mode, "until": time.time() + seconds, "slow_s": 3}
+        self.target.set_modes(self.modes)
+        return {"host": f"127.0.0.1:{port}", "for_s": round(seconds, 1)}
+
+    def fault_target_slow(self) -> dict[str, Any]:
+        return self._misbehave("slow", random.uniform(8, 15))
+
+    def fault_target_errors(self) -> dict[str, Any]:
+        return self._misbehave("error", random.uniform(10, 20))
+
+    def _owned_now(self, name: str) -> set[int]:
+        assert self.fleet is not None
+        lines = PARTITION_LINE.findall(self.fleet.procs[name].output())
+        return {int(p) for p in lines[-1][0].split(",") if p.strip()} if lines else set()
+
+    # ----------------------------------------------------------------- settle and measure
+
+    def settle(self) -> None:
+        self.faults_ended = time.time()
+        self.stop_stream.set()
+        assert self.fleet is not None and self.target is not None
+        self.modes = {}
+        self.target.set_modes({})
+        # Every process the soak killed it restarted at once: one that is down now died by itself.
+        self.unexpected_exits = [p.name for p in self.fleet.procs.values() if not p.alive()]
+        self.fleet.heal()
+        self.zk.start()  # a no-op when ours is up
+        settle = self.args.settle if not self.stopped_early else min(self.args.settle, 20)
+        time.sleep(settle)
+
+    def measure(self) -> dict[str, Any]:
+        from django.db import close_old_connections
+
+        from runs import invariants
+        from runs.models import BreakerTransition, Run, RunEvent
+
+        close_old_connections()
+        measured_at = time.time()
+        cutoff = utc(measured_at - self.args.margin)
+        runs = {r.pk: r for r in Run.objects.select_related("job")}
+        timeline: dict[int, list[tuple[datetime, str, dict[str, Any]]]] = defaultdict(list)
+        for run_id, at, type_, detail in RunEvent.objects.order_by("id").values_list("run_id", "at", "type", "detail"):
+            timeline[run_id].append((at, type_, detail or {}))
+
+        due, missed, lateness, lateness_plain = [], [], [], []
+        for run in runs.values():
+            events = timeline[run.pk]
+            first_due = next((_parse(d.get("due_at")) for _, t, d in events if t == "scheduled"), None) or run.scheduled_for
+            if run.status == Run.Status.CANCELLED or first_due > cutoff:
+                continue
+            due.append(run)
+            deferred = any(t in DEFERRALS for _, t, _ in events)
+            claimed = [at for at, t, _ in events if t == "claimed"]
+            if claimed:
+                late = (claimed[0] - (run.scheduled_for + timedelta(seconds=run.job.window_seconds))).total_seconds()
+                lateness.append((late, run.public_id))
+                if not deferred:
+                    lateness_plain.append((late, run.public_id))
+            elif not (run.status == Run.Status.SCHEDULED and run.due_at > cutoff and deferred):
+                why = "skipped (misfire)" if run.status == Run.Status.SKIPPED else f"never claimed ({run.status})"
+                missed.append(f"{run.public_id} due {first_due:%H:%M:%S}: {why}")
+
+        applied = [invariants.Applied(key, fence) for key, fence in self.dbs.target_rows("SELECT key, fence FROM soak_effects")]
+        calls = dict(self.dbs.target_rows("SELECT outcome, count(*) FROM soak_calls GROUP BY outcome"))
+        twice = invariants.effects_applied_once(applied)
+        violations = {
+            "one open run per job": invariants.one_open_run_per_job(),
+            "timelines in order": invariants.timelines(),
+            "due runs terminal or running": invariants.due_runs_settled(cutoff=cutoff),
+            "succeeded runs applied": invariants.succeeded_runs_applied(applied),
+        }
+        superseded = [v for v in violations["timelines in order"] if "written under fence" in v]
+        status = Counter(r.status for r in due)
+        dead_why = Counter(_reason(r.last_error) for r in due if r.status == Run.Status.DEAD)
+        event_counts = Counter(t for events in timeline.values() for _, t, _ in events)
+        breaker = Counter(BreakerTransition.objects.values_list("state", flat=True))
+        report = {
+            "started_at": utc(self.started).isoformat(), "faults_ended_at": utc(self.faults_ended).isoformat(),
+            "measured_at": utc(measured_at).isoformat(), "cutoff": cutoff.isoformat(),
+            "stopped_early": self.stopped_early,
+            "runs_due": len(due),
+            "started": sum(1 for r in due if r.started_at is not None),
+            "succeeded": status[Run.Status.SUCCEEDED],
+            "dead": status[Run.Status.DEAD], "dead_reasons": dict(dead_why),
+            "open_at_end": sum(status[s] for s in Run.OPEN),
+            "missed": len(missed), "missed_runs": missed[:50],
+            "effects_applied": len(applied), "effects_applied_twice": len(twice), "applied_twice": twice[:50],
+            "calls": calls,
+            "stale_writes_rejected": event_counts["stale_write_rejected"],
+            "misfired": event_counts["misfired"],
+            "bulkhead_waits": event_counts["bulkhead_wait"], "breaker_holds": event_counts["held_by_breaker"],
+            "breaker_transitions": dict(breaker),
+            "invariant_violations": sum(len(v) for v in violations.values()),
+            "outcomes_under_superseded_fence": len(superseded),
+            "violations": {k: v[:50] for k, v in violations.items() if v},
+            "lateness_past_window_s": _lateness(lateness), "lateness_without_holds_s": _lateness(lateness_plain),
+            "faults": dict(Counter(f["kind"] for f in self.faults)),
+            "faults_that_hit": dict(Counter(f["kind"] for f in self.faults if f["hit"])), "fault_log": self.faults,
+            "handover": self.handovers(timeline),
+        }
+        report["unexpected_exits"] = self.unexpected_exits
+        report["ok"] = not (report["missed"] or report["effects_applied_twice"] or report["invariant_violations"]
+                            or self.unexpected_exits)
+        return report
+
+    # ----------------------------------------------------------------- handovers
+
+    def handovers(self, timeline: dict[int, list[tuple[datetime, str, dict[str, Any]]]]) -> dict[str, Any]:
+        worker: dict[str, list[float]] = defaultdict(list)
+        for loss in self.worker_losses:
+            lost_at = utc(loss["at"])
+            for run_id, fence in loss["runs"]:
+                later = [(at, t, d) for at, t, d in timeline[run_id] if at >= lost_at]
+                again = next((at for at, t, d in later if t == "claimed" and d.get("fence", 0) > fence), None)
+                if again is None:
+                    continue
+                # A run its target's breaker or bulkhead held meanwhile waited on purpose: not a handover time.
+                held = any(t in DEFERRALS and at < again for at, t, _ in later)
+                worker[loss["kind"] + ("_held" if held else "")].append((again - lost_at).total_seconds())
+        return {
+            "worker_death_to_run_claimed_s": _stats(worker["worker_kill"]),
+            "worker_frozen_to_run_claimed_s": _stats(worker["worker_stop"]),
+            "runs_held_by_breaker_or_bulkhead_meanwhile": len(worker["worker_kill_held"] + worker["worker_stop_held"]),
+            "scanner_death_to_partitions_scanned_s": _stats(self._scanner_handovers()),
+            "zookeeper_restart_to_all_partitions_scanned_s": _stats(self._zk_handovers()),
+        }
+
+    def _ownership(self) -> list[tuple[float, str, set[int]]]:
+        """Every 'partitions [...] at T' line of every scanner process, oldest first."""
+        assert self.fleet is not None
+        lines = []
+        for name in self.fleet.names("scanner"):
+            for proc in self.fleet.all_generations(name):
+                for parts, at in PARTITION_LINE.findall(proc.output()):
+                    lines.append((float(at), f"{name}.{proc.generation}", {int(p) for p in parts.split(",") if p.strip()}))
+        return sorted(lines, key=lambda line: line[0])
+
+    def _covered_at(self, since: float, wanted: set[int], fresh: bool = False) -> float | None:
+        """The first moment after `since` at which live scanners own all of `wanted`.
+
+        A process counts with its latest line, from the moment it printed it until it
+        was killed; with `fresh`, only lines printed after `since` count (after a
+        ZooKeeper restart, what a scanner owned before means nothing)."""
+        died = {f"{d['name']}.{d['generation']}": d["at"] for d in self.scanner_deaths}
+        owned: dict[str, set[int]] = {}
+        for at, proc, parts in self._ownership():
+            if fresh and at < since:
+                continue
+            owned[proc] = parts
+            alive = [p for name, p in owned.items() if died.get(name, float("inf")) > at]
+            if at >= since and wanted <= set().union(*alive):
+                return at
+        return None
+
+    def _scanner_handovers(self) -> list[float]:
+        times = []
+        for death in self.scanner_deaths:
+            if death["owned"]:
+                at = self._covered_at(death["at"], set(death["owned"]))
+                if at is not None:
+                    times.append(at - death["at"])
+        return times
+
+    def _zk_handovers(self) -> list[float]:
+        from scanners.coordination import all_partitions
+
+        every = set(all_partitions())
+        times = []
+        for stopped in self.zk_restarts:
+            at = self._covered_at(stopped, every, fresh=True)
+            if at is not None:
+                times.append(at - stopped)
+        return times
+
+
+def _hit(kind: str, detail: dict[str, Any]) -> bool:
+    """Whether a fault found its mark: a call in flight, a connection, a run, partitions."""
+    if "error" in detail:
+        return False
+    mark = {"worker_kill": "runs_in_flight", "worker_stop": "runs_in_flight", "pg_terminate": "connections",
+            "duplicate_delivery": "runs", "scanner_kill": "owned"}.get(kind)
+    return mark is None or bool(detail.get(mark))
+
+
+def _parse(text: Any) -> datetime | None:
+    if not isinstance(text, str):
+        return None
+    return datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+def _reason(error: str) -> str:
+    # "out of tries after 6 attempts: HTTP 503: {...}" -> "out of tries after N attempts: HTTP 503"
+    short = re.sub(r"\d+(?:\.\d+)?s\b", "Ns", error.split(": {")[0])
+    return re.sub(r"after \d+ attempts", "after N attempts", short)[:90]
+
+
+def _stats(values: list[float]) -> dict[str, Any]:
+    if not values:
+        return {"n": 0}
+    return {"n": len(values), "min": round(min(values), 2), "median": round(statistics.median(values), 2),
+            "max": round(max(values), 2)}
+
+
+def _lateness(values: list[tuple[float, str]]) -> dict[str, Any]:
+    if not values:
+        return {"n": 0}
+    ordered = sorted(values)
+    p99 = ordered[min(len(ordered) - 1, int(0.99 * (len(ordered) - 1)))][0]
+    return {"n": len(values), "max": round(ordered[-1][0], 2), "run": ordered[-1][1], "p99": round(p99, 2)}
+
+
+def _fault_count(report: dict[str, Any], kind: str) -> str:
+    n, hit = report["faults"].get(kind, 0), report["faults_that_hit"].get(kind, 0)
+    return str(n) if n == hit else f"{n} ({n - hit} found nothing to hit)"
+
+
+def machine() -> dict[str, Any]:
+    with open("/proc/meminfo") as f:
+        mem_kb = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:"))
+    return {"nproc": os.cpu_count(), "memory_gib": round(mem_kb / 1024 / 1024, 1),
+            "python": platform.python_version(), "kernel": platform.release()}
+
+
+def table(report: dict[str, Any], args: argparse.Namespace) -> str:
+    def span(s: dict[str, Any]) -> str:
+        return f"n={s['n']}" if not s.get("n") else f"median {s['median']} s, max {s['max']} s (min {s['min']}, n={s['n']})"
+
+    late, plain = report["lateness_past_window_s"], report["lateness_without_holds_s"]
+    rows = [
+        ("runs due", report["runs_due"]),
+        ("started", report["started"]),
+        ("succeeded", report["succeeded"]),
+        ("dead", report["dead"]),
+        *[(f"  dead: {why}", n) for why, n in sorted(report["dead_reasons"].items())],
+        ("still open (retrying or running)", report["open_at_end"]),
+        ("missed (due, never started)", report["missed"]),
+        ("effects applied twice", report["effects_applied_twice"]),
+        ("effects applied", report["effects_applied"]),
+        ("target calls", ", ".join(f"{k} {v}" for k, v in sorted(report["calls"].items()))),
+        ("stale writes rejected", report["stale_writes_rejected"]),
+        ("late runs (misfired, run anyway)", report["misfired"]),
+        ("outcomes written under a superseded fence", report["outcomes_under_superseded_fence"]),
+        ("invariant violations", report["invariant_violations"]),
+        ("largest lateness past the window", f"{late.get('max', '-')} s (p99 {late.get('p99', '-')} s)"),
+        ("  without bulkhead/breaker holds", f"{plain.get('max', '-')} s (p99 {plain.get('p99', '-')} s)"),
+        ("bulkhead waits / breaker holds", f"{report['bulkhead_waits']} / {report['breaker_holds']}"),
+        ("breaker transitions", ", ".join(f"{k} {v}" for k, v in sorted(report["breaker_transitions"].items())) or "none"),
+        *[(f"fault: {kind}", _fault_count(report, kind)) for kind in KINDS],
+        ("processes that died by themselves", ", ".join(report["unexpected_exits"]) or "none"),
+    ]
+    h = report["handover"]
+    rows += [
+        ("handover: worker killed -> run claimed again", span(h["worker_death_to_run_claimed_s"])),
+        ("handover: worker frozen -> run claimed again", span(h["worker_frozen_to_run_claimed_s"])),
+        ("handover: scanner killed -> its partitions scanned", span(h["scanner_death_to_partitions_scanned_s"])),
+        ("handover: ZooKeeper restart -> all partitions scanned", span(h["zookeeper_restart_to_all_partitions_scanned_s"])),
+    ]
+    width = max(len(k) for k, _ in rows)
+    head = (f"soak: {args.duration:g} s of faults + {args.settle:g} s settle, lease {args.lease} s, scan "
+            f"{args.scan_interval:g} s, requeue after {args.requeue_after} s, ZooKeeper session {args.zk_session:g} s"
+            f" + boundary {args.zk_boundary:g} s, {args.scanners} scanners, {args.workers} workers x {args.concurrency}"
+            + (", DELIBERATE FENCE BUG ON" if args.inject_bug else ""))
+    lines = [head, "-" * len(head)] + [f"{k:<{width}}  {v}" for k, v in rows]
+    lines.append(f"{'result':<{width}}  {'PASS' if report['ok'] else 'FAIL'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    if args.seed is not None:
+        random.seed(args.seed)
+
+    def give_up(signum: int, frame: Any) -> None:
+        raise TimeoutError(f"the soak was ended by signal {signum}")
+
+    signal.signal(signal.SIGALRM, give_up)
+    signal.signal(signal.SIGTERM, give_up)
+    signal.alarm(int(args.duration + args.settle + 600))
+    soak = Soak(args)
+    print(f"soak: logs in {soak.workdir}", flush=True)
+    try:
+        soak.up()
+        soak.inject()
+        soak.settle()
+        report = soak.measure()
+    finally:
+        signal.alarm(0)
+        soak.down()
+    report.update({"machine": machine(), "args": vars(args), "workdir": str(soak.workdir)})
+    text = table(report, args)
+    report["table"] = text
+    print("\n" + text, flush=True)
+    for name, found in report["violations"].items():
+        print(f"\n{name}:\n  " + "\n  ".join(found[:10]))
+    if report["missed_runs"]:
+        print("\nmissed:\n  " + "\n  ".join(report["missed_runs"][:10]))
+    if report["applied_twice"]:
+        print("\napplied twice:\n  " + "\n  ".join(report["applied_twice"][:10]))
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")
+    print(f"\nsummary: {out}")
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

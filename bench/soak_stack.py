@@ -1,0 +1,295 @@
+"""The soak's production layout: its own PostgreSQL databases, a private Redis, a
+private ZooKeeper, the target, and restartable scanner and worker processes.
+
+Everything listens on loopback. Every process started here is ended here, by its
+own id (its process group), and every wait is bounded.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv" / "bin" / "python").exists() else sys.executable
+ZK_SCRIPT = ROOT / "scripts" / "zookeeper.sh"
+# The target's own records (bench/soak_target.py): every applied effect, every call.
+TARGET_SCHEMA = """
+CREATE TABLE IF NOT EXISTS soak_effects (
+    id bigserial PRIMARY KEY, key text NOT NULL, fence bigint NOT NULL, run_id text NOT NULL,
+    port int NOT NULL, applied_at timestamptz NOT NULL DEFAULT now()
+);
+CREATE TABLE IF NOT EXISTS soak_calls (
+    id bigserial PRIMARY KEY, key text NOT NULL, fence bigint, attempt int, run_id text NOT NULL,
+    port int NOT NULL, outcome text NOT NULL, status int NOT NULL,
+    arrived double precision NOT NULL, answered double precision NOT NULL
+);
+"""
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Proc:
+    """One process (and its group). `generation` counts restarts; each has its own log."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path, generation: int = 1) -> None:
+        self.name, self.argv, self.env, self.log_dir, self.generation = name, argv, env, log_dir, generation
+        self.log_path = log_dir / f"{name}.{generation}.log"
+        self.started_at = time.time()
+        with open(self.log_path, "wb") as log:
+            self.popen = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True)
+        self.stopped = False  # SIGSTOPped by the soak
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.popen.pid, sig)  # the whole group: a prefork worker's children too
+        except ProcessLookupError:
+            pass
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        try:
+            self.popen.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def freeze(self) -> None:
+        self.signal(signal.SIGSTOP)
+        self.stopped = True
+
+    def thaw(self) -> None:
+        self.signal(signal.SIGCONT)
+        self.stopped = False
+
+    def stop(self, grace: float = 10) -> None:
+        if self.alive():
+            self.thaw()
+            self.signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+        self.signal(signal.SIGKILL)  # leftovers of the group, if any
+        try:
+            self.popen.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+class PrivateRedis:
+    """A redis-server of our own on a free port: FLUSHALL touches nothing else."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.port = free_port()
+        self.proc = Proc("redis", ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                   "--appendonly", "no", "--dir", str(log_dir)], dict(os.environ), log_dir)
+        wait_for(self._ours, 10, "the private redis-server")
+
+    def _cli(self, *args: str) -> str:
+        out = subprocess.run(["redis-cli", "-p", str(self.port), *args], capture_output=True, text=True, timeout=5)
+        return out.stdout
+
+    def _ours(self) -> bool:
+        # The PID that answers on the port must be the one we started.
+        try:
+            return f"process_id:{self.proc.pid}" in self._cli("info", "server")
+        except subprocess.TimeoutExpired:
+            return False
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def flushall(self) -> None:
+        if not self._ours():
+            raise RuntimeError(f"port {self.port} is not our redis-server any more; not flushing it")
+        self._cli("FLUSHALL")
+
+    def stop(self) -> None:
+        self.proc.stop(grace=5)
+
+
+class ZooKeeper:
+    """scripts/zookeeper.sh on a port and directory of our own, so it can be restarted."""
+
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.dir = f"/tmp/scheduler-zookeeper-soak-{self.port}"
+
+    def _script(self, action: str) -> None:
+        subprocess.run(["bash", str(ZK_SCRIPT), action, str(self.port), self.dir], check=True, capture_output=True,
+                       timeout=90)
+
+    def start(self) -> None:
+        self._script("start")
+
+    def stop(self) -> None:
+        self._script("stop")
+
+    @property
+    def hosts(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+class Databases:
+    """The scheduler's database and the target's, both made fresh for the soak."""
+
+    def __init__(self, server: str, name: str) -> None:
+        self.server, self.name, self.target_name = server.rstrip("/"), name, f"{name}_target"
+
+    def url(self, target: bool = False) -> str:
+        return f"{self.server}/{self.target_name if target else self.name}"
+
+    def _admin(self, sql: str) -> None:
+        with psycopg.connect(f"{self.server}/postgres", autocommit=True) as conn:
+            conn.execute(sql)
+
+    def create(self, env: dict[str, str]) -> None:
+        for db in (self.name, self.target_name):
+            self._admin(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+            self._admin(f'CREATE DATABASE "{db}"')
+        for url in (self.url(), self.url(target=True)):
+            subprocess.run([PY, "manage.py", "migrate", "-v", "0"], cwd=ROOT, env={**env, "DATABASE_URL": url},
+                           check=True, capture_output=True, timeout=300)
+        with psycopg.connect(self.url(target=True), autocommit=True) as conn:
+            conn.execute(TARGET_SCHEMA)
+
+    def drop(self) -> None:
+        for db in (self.name, self.target_name):
+            self._admin(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+
+    def terminate(self, application_name: str) -> int:
+        """pg_terminate_backend on every connection of the scheduler database with that name."""
+        with psycopg.connect(f"{self.server}/postgres", autocommit=True) as conn:
+            rows = conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND application_name = %s",
+                [self.name, application_name],
+            ).fetchall()
+        return sum(1 for (done,) in rows if done)
+
+    def target_rows(self, sql: str) -> list[tuple[Any, ...]]:
+        with psycopg.connect(self.url(target=True)) as conn:
+            return list(conn.execute(sql).fetchall())
+
+
+@dataclass
+class Target:
+    """The receiver on two ports: two target hosts, one gunicorn."""
+
+    env: dict[str, str]
+    log_dir: Path
+    ports: list[int] = field(default_factory=lambda: [free_port(), free_port()])
+    proc: Proc | None = None
+
+    @property
+    def control(self) -> Path:
+        return self.log_dir / "target-control.json"
+
+    def start(self) -> None:
+        self.set_modes({})
+        binds = [arg for port in self.ports for arg in ("-b", f"127.0.0.1:{port}")]
+        argv = [PY, "-m", "gunicorn", "scheduler_project.wsgi:application", "-k", "gthread", "-w", "1",
+                "--threads", "12", "--timeout", "120", "--graceful-timeout", "5", "--log-level", "warning", *binds]
+        env = {**self.env, "DJANGO_SETTINGS_MODULE": "bench.soak_target_settings",
+               "SOAK_TARGET_CONTROL": str(self.control)}
+        self.proc = Proc("target", argv, env, self.log_dir)
+        wait_for(lambda: all(self._listening(p) for p in self.ports), 30, "the target to listen")
+
+    def _listening(self, port: int) -> bool:
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", port)) == 0
+
+    def url(self, port: int, name: str) -> str:
+        return f"http://127.0.0.1:{port}/hook/{name}"
+
+    def set_modes(self, modes: dict[int, dict[str, Any]]) -> None:
+        tmp = self.control.with_suffix(".tmp")
+        tmp.write_text(json.dumps({str(port): mode for port, mode in modes.items()}))
+        os.replace(tmp, self.control)  # the target never reads half a file
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop(grace=5)
+
+
+@dataclass
+class Fleet:
+    """Scanners and workers by name; a restart starts a new generation of the same name."""
+
+    env: dict[str, str]
+    log_dir: Path
+    worker_concurrency: int = 4
+    procs: dict[str, Proc] = field(default_factory=dict)
+    retired: list[Proc] = field(default_factory=list)
+
+    def _argv(self, name: str, generation: int) -> list[str]:
+        if name.startswith("scanner"):
+            # A new ZooKeeper member name per generation: the dead one's session may still be open.
+            ident = name if generation == 1 else f"{name}-r{generation - 1}"
+            return [PY, "manage.py", "scanner", "--identifier", ident]
+        return [PY, "-m", "celery", "-A", "scheduler_project", "worker", "-l", "WARNING",
+                "-c", str(self.worker_concurrency), "-P", "prefork", "-n", f"{name}@%h",
+                "--without-heartbeat", "--without-gossip", "--without-mingle"]
+
+    def start(self, name: str) -> Proc:
+        old = self.procs.get(name)
+        generation = old.generation + 1 if old else 1
+        if old is not None:
+            self.retired.append(old)
+        env = {**self.env, "SCHEDULER_DB_APPLICATION_NAME": f"soak-{name}"}
+        proc = Proc(name, self._argv(name, generation), env, self.log_dir, generation)
+        self.procs[name] = proc
+        return proc
+
+    def names(self, kind: str) -> list[str]:
+        return sorted(n for n in self.procs if n.startswith(kind))
+
+    def all_generations(self, name: str) -> list[Proc]:
+        return [p for p in self.retired if p.name == name] + [self.procs[name]]
+
+    def heal(self) -> None:
+        """Every process running and not stopped: the soak's end state."""
+        for name, proc in list(self.procs.items()):
+            if proc.stopped:
+                proc.thaw()
+            if not proc.alive():
+                self.start(name)
+
+    def stop_all(self) -> None:
+        for proc in [*self.procs.values(), *self.retired]:
+            proc.stop()

@@ -1,0 +1,159 @@
+"""A circuit breaker per target host (as written in the URL, port included).
+
+closed -> open: SCHEDULER_BREAKER_FAILURES calls in a row found the host in
+trouble (no answer, a timeout, 408, 429 or a 5xx). While open, the host's runs are
+held: the worker puts them back to `scheduled` until the next probe time, before
+claiming them, so holding spends no try (runs.services).
+open -> half_open: once the cooldown (SCHEDULER_BREAKER_COOLDOWN, with jitter)
+has passed, one run is let through as the probe; the others keep waiting.
+half_open -> closed when the probe gets any answer that is not trouble (a 4xx
+means the host is up); half_open -> open again, with a new cooldown, when not.
+
+The state lives in the store (`target_breakers`) so every worker sees one
+breaker per host, on PostgreSQL and SQLite alike. Each change is one
+conditional update, so two workers cannot both open it or both take the probe.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db.models import F, Q, QuerySet
+from django.utils import timezone
+
+from runs import bulkhead
+from runs.models import BreakerTransition, TargetBreaker
+
+B = TargetBreaker.State
+
+
+@dataclass(frozen=True)
+class Admission:
+    probe: bool = False  # this run is the half-open probe
+    hold_until: datetime | None = None  # not now: back to scheduled until then
+    state: str = B.CLOSED
+    next_probe_at: datetime | None = None
+
+
+def cooldown() -> timedelta:
+    # Jitter, so that the probes of many hosts that failed together do not line up.
+    return timedelta(seconds=float(settings.SCHEDULER_BREAKER_COOLDOWN) * random.uniform(0.8, 1.2))
+
+
+def admit(*, host: str, holder: str, now: datetime, probe_lease: timedelta) -> Admission:
+    """May a run to `host` be called now? Read first: a closed breaker costs one read."""
+    breaker = TargetBreaker.objects.filter(host=host).first()
+    if breaker is None or breaker.state == B.CLOSED:
+        return Admission()
+    probe_at = breaker.next_probe_at
+    if probe_at is not None and now < probe_at:
+        # Spread the held runs a little past the probe time: the first one back probes.
+        spread = timedelta(seconds=random.uniform(0, 2))
+        return Admission(hold_until=probe_at + spread, state=breaker.state, next_probe_at=probe_at)
+    free = Q(probe_until__isnull=True) | Q(probe_until__lt=now)
+    due = Q(next_probe_at__isnull=True) | Q(next_probe_at__lte=now)  # a failed probe may have just re-opened it
+    took = TargetBreaker.objects.filter(free, due, host=host, state__in=(B.OPEN, B.HALF_OPEN)).update(
+        state=B.HALF_OPEN, probe_holder=holder, probe_until=now + probe_lease
+    )
+    if took:
+        _transition(host, B.HALF_OPEN, now, probe=holder)
+        return Admission(probe=True, state=B.HALF_OPEN)
+    # Another run is the probe: ask again soon.
+    return Admission(hold_until=bulkhead.wait_until(now), state=B.HALF_OPEN, next_probe_at=probe_at)
+
+
+def release_probe(*, host: str, holder: str) -> None:
+    """A probe that made no call (its claim failed, no slot): let another run probe."""
+    TargetBreaker.objects.filter(host=host, state=B.HALF_OPEN, probe_holder=holder).update(
+        probe_holder="", probe_until=None
+    )
+
+
+def record(*, host: str, holder: str, trouble: bool, error: str, now: datetime) -> None:
+    """What one call found: trouble counts towards opening, anything else closes."""
+    if trouble:
+        _failure(host, holder, error, now)
+    else:
+        _success(host, holder, now)
+
+
+def _success(host: str, holder: str, now: datetime) -> None:
+    # Usually no row matches (closed, no failures): the common path writes nothing.
+    closed = TargetBreaker.objects.filter(host=host).exclude(state=B.CLOSED).update(
+        state=B.CLOSED, failures=0, opened_at=None, next_probe_at=None, probe_holder="", probe_until=None
+    )
+    if closed:
+        _transition(host, B.CLOSED, now, by=holder)
+    else:
+        TargetBreaker.objects.filter(host=host, failures__gt=0).update(failures=0)
+
+
+def _failure(host: str, holder: str, error: str, now: datetime) -> None:
+    TargetBreaker.objects.bulk_create([TargetBreaker(host=host)], ignore_conflicts=True)
+    TargetBreaker.objects.filter(host=host).update(
+        failures=F("failures") + 1, last_failure_at=now, last_error=error[:500]
+    )
+    again = TargetBreaker.objects.filter(host=host, state=B.HALF_OPEN, probe_holder=holder)
+    if again.update(state=B.OPEN, next_probe_at=now + cooldown(), probe_holder="", probe_until=None):
+        _transition(host, B.OPEN, now, reason=f"the probe failed: {error[:200]}")
+        return
+    threshold = max(1, int(settings.SCHEDULER_BREAKER_FAILURES))
+    trip = TargetBreaker.objects.filter(host=host, state=B.CLOSED, failures__gte=threshold)
+    if trip.update(state=B.OPEN, opened_at=now, next_probe_at=now + cooldown()):
+        _transition(host, B.OPEN, now, reason=f"{threshold} failures in a row; last: {error[:200]}")
+
+
+def _transition(host: str, state: str, now: datetime, **detail: Any) -> None:
+    breaker_id = TargetBreaker.objects.filter(host=host).values_list("pk", flat=True).first()
+    if breaker_id is not None:
+        BreakerTransition.objects.create(breaker_id=breaker_id, at=now, state=state, detail=detail)
+
+
+# --------------------------------------------------------------------------- reads
+
+
+def shown_state(breaker: TargetBreaker, now: datetime) -> str:
+    """Open past its probe time reads as half_open: the next run is let through."""
+    if breaker.state == B.OPEN and breaker.next_probe_at is not None and breaker.next_probe_at <= now:
+        return B.HALF_OPEN
+    return breaker.state
+
+
+def breakers_for(user: Any) -> QuerySet[TargetBreaker]:
+    """The breakers `user` may see: staff all; a service those of the hosts its own
+    jobs call (hosts are shared between services, so scoping is by host)."""
+    from jobs.models import Job
+    from jobs.validators import target_host
+
+    rows = TargetBreaker.objects.order_by("host")
+    if getattr(user, "is_staff", False):
+        return rows
+    targets = Job.objects.filter(owner=user).values_list("target", flat=True).distinct()
+    return rows.filter(host__in={target_host(t) for t in targets})
+
+
+def row(breaker: TargetBreaker, now: datetime, in_flight: int, history: int = 10) -> dict[str, Any]:
+    return {
+        "host": breaker.host,
+        "state": shown_state(breaker, now),
+        "failures": breaker.failures,
+        "opened_at": breaker.opened_at,
+        "next_probe_at": breaker.next_probe_at,
+        "last_failure_at": breaker.last_failure_at,
+        "last_error": breaker.last_error,
+        "in_flight": in_flight,
+        "history": [
+            {"at": t.at, "state": t.state, "detail": t.detail} for t in breaker.transitions.all()[:history]
+        ],
+    }
+
+
+def breaker_states(now: datetime | None = None) -> list[dict[str, Any]]:
+    """Every host's breaker, for the admin's system page (staff: all hosts)."""
+    now = now or timezone.now()
+    breakers = list(TargetBreaker.objects.order_by("host").prefetch_related("transitions"))
+    busy = bulkhead.in_flight([b.host for b in breakers], now=now)
+    return [row(b, now, busy.get(b.host, 0)) for b in breakers]

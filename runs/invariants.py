@@ -1,0 +1,162 @@
+"""What must always hold of the run store, and of what a target applied.
+
+Shared by the soak (bench/soak.py) and the tests. Each check returns a list of
+violations in words; an empty list means it holds. Checks read the store, they
+never change it.
+"""
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db.models import Count
+
+from runs.models import Run, RunEvent
+
+S = Run.Status
+TERMINAL_EVENTS = frozenset({"succeeded", "dead", "skipped", "cancelled"})
+# The writes a lease holder makes under its fence; the store takes them only from the current one.
+OUTCOME_EVENTS = frozenset({"succeeded", "dead", "retry_scheduled"})
+# Events that move a run from one status to another (a superseded holder's are not among them).
+LIFECYCLE_EVENTS = TERMINAL_EVENTS | {
+    "scheduled", "queued", "claimed", "retry_scheduled", "lease_expired", "requeued", "misfired",
+    "bulkhead_wait", "held_by_breaker", "held", "released", "rescheduled",
+}
+# The store takes a lease back only when it ran out: the scanner's recovery, or a
+# worker putting an expired run back to wait for its target.
+TAKEN_BACK = frozenset({"lease_expired", "bulkhead_wait", "held_by_breaker"})
+# Two writers can touch one run at once (a scanner recovering it while a worker claims
+# it): each stamps `at` before its statement may wait on the other's row lock, so
+# id order and `at` order can disagree by that wait. Anything more is a bug.
+CLOCK_SLACK = timedelta(seconds=2)
+
+
+@dataclass(frozen=True)
+class Event:
+    id: int
+    at: datetime
+    type: str
+    detail: dict[str, Any]
+
+
+def one_open_run_per_job() -> list[str]:
+    """Every job has at most one open run, backfills apart."""
+    rows = (
+        Run.objects.filter(status__in=Run.OPEN, is_backfill=False)
+        .values("job_id")
+        .annotate(n=Count("id"))
+        .filter(n__gt=1)
+    )
+    return [f"job_{r['job_id']} has {r['n']} open runs" for r in rows]
+
+
+def timelines(run_ids: Iterable[int] | None = None) -> list[str]:
+    """Every run's timeline is in order (see timeline_violations)."""
+    runs = Run.objects.all() if run_ids is None else Run.objects.filter(pk__in=list(run_ids))
+    status = dict(runs.values_list("pk", "status"))
+    found: dict[int, list[Event]] = defaultdict(list)
+    rows = RunEvent.objects.filter(run_id__in=list(status)).order_by("run_id", "id")
+    for run_id, pk, at, type_, detail in rows.values_list("run_id", "id", "at", "type", "detail").iterator():
+        found[run_id].append(Event(pk, at, type_, detail or {}))
+    problems: list[str] = []
+    for run_id, run_status in status.items():
+        problems += [f"run_{run_id}: {p}" for p in timeline_violations(run_status, found.get(run_id, []))]
+    return problems
+
+
+def timeline_violations(status: str, events: list[Event]) -> list[str]:
+    """One run's timeline, events in id order:
+
+    - `at` never goes backwards (beyond CLOCK_SLACK), a superseded holder's late
+      events apart;
+    - claims hand out strictly rising fences, and rising attempts (a dead run
+      requeued by an operator starts a new round of tries);
+    - every outcome (succeeded, dead, retry_scheduled) was written under the fence
+      of the latest claim: the store never takes a superseded holder's write;
+    - a stale_write_rejected names an older fence, or a lease the store took back
+      (lease_expired, or a deferral of an expired lease): the holder of a live lease
+      is never shut out;
+    - a run in a terminal status has that status's event as its last lifecycle event.
+    """
+    problems: list[str] = []
+    latest_fence, latest_attempt = 0, 0
+    latest_at: datetime | None = None
+    last_lifecycle = ""
+    taken_back = False  # the store took the latest lease back (it ran out)
+    for event in events:
+        fence = event.detail.get("fence")
+        superseded = isinstance(fence, int) and fence < latest_fence
+        if latest_at is not None and event.at < latest_at - CLOCK_SLACK and not superseded:
+            problems.append(f"event {event.id} {event.type} at {event.at:%H:%M:%S.%f} is before {latest_at:%H:%M:%S.%f}")
+        if not superseded:
+            latest_at = max(latest_at or event.at, event.at)
+        if event.type == "claimed":
+            attempt = event.detail.get("attempt", latest_attempt + 1)
+            if not isinstance(fence, int) or fence <= latest_fence:
+                problems.append(f"claim {event.id} has fence {fence} after fence {latest_fence}")
+            if isinstance(attempt, int) and attempt <= latest_attempt:
+                problems.append(f"claim {event.id} has attempt {attempt} after attempt {latest_attempt}")
+            latest_fence = max(latest_fence, fence if isinstance(fence, int) else 0)
+            latest_attempt = max(latest_attempt, attempt if isinstance(attempt, int) else 0)
+            taken_back = False
+        elif event.type in TAKEN_BACK:
+            taken_back = True
+        elif event.type == "requeued" and "previous_attempts" in event.detail:
+            latest_attempt = 0  # requeued from the dead list: a new round of tries (runs.ops)
+        elif event.type in OUTCOME_EVENTS and isinstance(fence, int) and fence != latest_fence:
+            problems.append(f"{event.type} {event.id} written under fence {fence}, but fence {latest_fence} held the lease")
+        elif event.type == "stale_write_rejected" and isinstance(fence, int) and fence >= latest_fence \
+                and not taken_back:
+            problems.append(f"stale_write_rejected {event.id} refused fence {fence}, the holder of a live lease")
+        if event.type in LIFECYCLE_EVENTS and not (superseded and event.type in OUTCOME_EVENTS):
+            last_lifecycle = event.type
+    if status in Run.TERMINAL and events and last_lifecycle != status:
+        problems.append(f"status {status} but its last lifecycle event is {last_lifecycle or 'none'}")
+    return problems
+
+
+def due_runs_settled(*, cutoff: datetime) -> list[str]:
+    """Every run due by `cutoff` is terminal or running: not still waiting to be
+    queued or claimed, and not running on a lease that ran out with nobody taking it
+    over. Held runs (a paused job or target) wait on purpose and are left out."""
+    waiting = Run.objects.filter(status__in=(S.SCHEDULED, S.QUEUED), held=False, due_at__lte=cutoff)
+    orphaned = Run.objects.filter(status=S.RUNNING, lease_expires_at__lt=cutoff)
+    problems = [f"run_{pk} is {status}, due at {due:%H:%M:%S}" for pk, status, due in
+                waiting.values_list("pk", "status", "due_at")]
+    problems += [f"run_{pk} is running on a lease that ran out at {until:%H:%M:%S}" for pk, until in
+                 orphaned.values_list("pk", "lease_expires_at")]
+    return problems
+
+
+# --------------------------------------------------------------------------- what targets applied
+
+
+@dataclass(frozen=True)
+class Applied:
+    """One effect a target applied, as the target recorded it."""
+
+    key: str  # the Idempotency-Key
+    fence: int
+
+
+def effects_applied_once(applied: Iterable[Applied]) -> list[str]:
+    """No run's effect was applied twice, by two attempts under different fences or
+    by the same one twice."""
+    fences: dict[str, list[int]] = defaultdict(list)
+    for effect in applied:
+        fences[effect.key].append(effect.fence)
+    return [f"{key} applied {len(f)} times, under fences {sorted(f)}" for key, f in fences.items() if len(f) > 1]
+
+
+def succeeded_runs_applied(applied: Iterable[Applied], run_ids: Iterable[int] | None = None) -> list[str]:
+    """Every succeeded run's effect was applied: a 2xx from the current holder is
+    either the application or the replay of one."""
+    keys = Counter(effect.key for effect in applied)
+    runs = Run.objects.filter(status=S.SUCCEEDED).select_related("job")
+    if run_ids is not None:
+        runs = runs.filter(pk__in=list(run_ids))
+    return [f"{run.public_id} ({run.idempotency_key}) succeeded but its target never applied it"
+            for run in runs.iterator() if keys[run.idempotency_key] == 0]

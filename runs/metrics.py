@@ -1,0 +1,400 @@
+"""Figures for operators: selectors shared by the admin's system page and `GET /metrics`.
+
+Each selector is one or two queries whatever the number of rows.
+
+`/metrics` choices (docs/admin.md has them for operators):
+- Counters are counted from the database, not kept in a process: any web process
+  answers the same, and a restart loses nothing. `scheduler_runs_*_total` count
+  timeline events by type, so they only go up -- until `prune_runs` deletes old
+  history, which Prometheus sees as a counter reset (one per prune).
+- The lateness histogram is each run's first start minus its due time. A run
+  whose due time moved past its first start (a retry, an operator's requeue) is
+  left out: its due time no longer says when it was first due.
+- `SCHEDULER_METRICS_TOKEN` set: the scrape needs `Authorization: Bearer <token>`;
+  unset: open (bind the server to loopback or a private network).
+"""
+
+from __future__ import annotations
+
+import hmac
+import statistics
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.apps import apps
+from django.conf import settings
+from django.db import connection
+from django.db.models import (
+    Aggregate,
+    Case,
+    Count,
+    DateTimeField,
+    F,
+    FloatField,
+    Func,
+    Max,
+    Q,
+    QuerySet,
+    Sum,
+    Value,
+    When,
+)
+from django.db.models.lookups import GreaterThan
+from django.http import HttpRequest, HttpResponse
+from django.utils import timezone
+from django.views.decorators.http import require_GET
+
+from runs.models import Run, RunEvent
+
+S = Run.Status
+LAG_WINDOW = timedelta(minutes=5)
+LATENESS_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0, 3600.0)
+# The events counted as the run counters, and their metric names.
+EVENT_COUNTERS = {
+    "claimed": (
+        "scheduler_runs_started_total",
+        "Runs claimed by a worker to call their target (each claim, retries included).",
+    ),
+    "succeeded": ("scheduler_runs_succeeded_total", "Runs that succeeded."),
+    "retry_scheduled": ("scheduler_runs_failed_total", "Calls that failed and got a retry scheduled."),
+    "dead": ("scheduler_runs_dead_total", "Runs that went to the dead list."),
+}
+
+
+# --------------------------------------------------------------------------- SQL helpers
+
+
+class SecondsBetween(Func):
+    """later - earlier, in seconds, on PostgreSQL and SQLite (the embedded mode)."""
+
+    arity = 2
+    arg_joiner = " - "
+    template = "EXTRACT(EPOCH FROM (%(expressions)s))::double precision"
+    output_field = FloatField()
+
+    def as_sqlite(self, compiler: Any, connection: Any, **extra: Any) -> Any:
+        return super().as_sql(
+            compiler,
+            connection,
+            template="((julianday(%(expressions)s)) * 86400.0)",
+            arg_joiner=") - julianday(",
+            **extra,
+        )
+
+
+class PercentileCont(Aggregate):
+    """PostgreSQL's percentile_cont(f) WITHIN GROUP (ORDER BY x)."""
+
+    function = "percentile_cont"
+    template = "%(function)s(%(fraction)s) WITHIN GROUP (ORDER BY %(expressions)s)"
+    output_field = FloatField()
+
+    def __init__(self, expression: Any, fraction: float, **extra: Any) -> None:
+        super().__init__(expression, fraction=float(fraction), **extra)
+
+
+def grace_seconds() -> int:
+    return int(settings.SCHEDULER_MISFIRE_GRACE)
+
+
+def with_lateness(runs: QuerySet[Run], now: datetime) -> QuerySet[Run]:
+    """Annotations behind `late_q`: a waiting run is measured at now, any other at its first start."""
+    waiting = Q(status__in=(S.SCHEDULED, S.QUEUED))
+    reference = Case(
+        When(waiting & Q(held=False), then=Value(now, output_field=DateTimeField())),
+        When(waiting, then=Value(None, output_field=DateTimeField())),  # held: paused, not late
+        default=F("started_at"),
+        output_field=DateTimeField(),
+    )
+    return runs.annotate(_late_ref=reference).annotate(
+        _late_sched=SecondsBetween(F("_late_ref"), F("scheduled_for")),
+        _late_due=SecondsBetween(F("_late_ref"), F("due_at")),
+    )
+
+
+def late_q() -> Q:
+    """Late (CONTRACT's word): started after max(scheduled_for + window, due_at) +
+    SCHEDULER_MISFIRE_GRACE, or waiting (not held) and past that now. Needs with_lateness."""
+    grace = grace_seconds()
+    return Q(_late_ref__isnull=False, _late_sched__gt=F("job__window_seconds") + grace, _late_due__gt=grace)
+
+
+def late_now_q(now: datetime) -> Q:
+    """Waiting, not held, and past the deadline now (no annotation needed)."""
+    grace = grace_seconds()
+    since_sched = SecondsBetween(Value(now, output_field=DateTimeField()), F("scheduled_for"))
+    return Q(
+        GreaterThan(since_sched, F("job__window_seconds") + grace),
+        status__in=(S.SCHEDULED, S.QUEUED),
+        held=False,
+        due_at__lt=now - timedelta(seconds=grace),
+    )
+
+
+# --------------------------------------------------------------------------- selectors
+
+
+@dataclass(frozen=True)
+class QueueFigures:
+    queued: int  # in the database: the run queue as the store sees it
+    due: int  # scheduled, not held, due now: the next scan queues them
+    held: int
+    late: int
+
+
+def queue_figures(now: datetime | None = None) -> QueueFigures:
+    """One query over the waiting runs."""
+    now = now or timezone.now()
+    found = Run.objects.filter(status__in=(S.SCHEDULED, S.QUEUED)).aggregate(
+        n_queued=Count("id", filter=Q(status=S.QUEUED)),
+        n_due=Count("id", filter=Q(status=S.SCHEDULED, held=False, due_at__lte=now)),
+        n_held=Count("id", filter=Q(held=True)),
+        n_late=Count("id", filter=late_now_q(now)),
+    )
+    return QueueFigures(**{k.removeprefix("n_"): int(v or 0) for k, v in found.items()})
+
+
+@dataclass(frozen=True)
+class LagFigures:
+    count: int
+    p50: float | None
+    p95: float | None
+    max: float | None
+
+
+def lag_figures(now: datetime | None = None, window: timedelta = LAG_WINDOW) -> LagFigures:
+    """Due to first start, in seconds, for runs that started in the last `window`."""
+    now = now or timezone.now()
+    since = now - window
+    runs = _recent_starts(since)
+    lag = SecondsBetween(F("started_at"), F("due_at"))
+    if connection.vendor == "postgresql":
+        found = runs.aggregate(n=Count("id"), p50=PercentileCont(lag, 0.5), p95=PercentileCont(lag, 0.95), top=Max(lag))
+        return LagFigures(int(found["n"]), found["p50"], found["p95"], found["top"])
+    values = sorted(float(v) for v in runs.annotate(lag=lag).values_list("lag", flat=True))
+    if not values:
+        return LagFigures(0, None, None, None)
+    # SQLite (the embedded mode) has no percentile_cont; its tables are small.
+    return LagFigures(len(values), statistics.median(values), _quantile(values, 0.95), values[-1])
+
+
+def _recent_starts(since: datetime) -> QuerySet[Run]:
+    # Found through runs_finished_idx and the running runs (runs_lease_idx): started_at has no index.
+    # A run whose due time moved past its first start (retry, requeue) is left out, as in the histogram.
+    return Run.objects.filter(Q(finished_at__gte=since) | Q(status=S.RUNNING)).filter(
+        started_at__gte=since, due_at__lte=F("started_at")
+    )
+
+
+def _quantile(values: list[float], q: float) -> float:
+    # The same linear interpolation as percentile_cont.
+    pos = (len(values) - 1) * q
+    low = int(pos)
+    high = min(low + 1, len(values) - 1)
+    return values[low] + (values[high] - values[low]) * (pos - low)
+
+
+def event_counts() -> dict[str, int]:
+    """Timeline events by type, for the run counters: one GROUP BY."""
+    rows = RunEvent.objects.filter(type__in=list(EVENT_COUNTERS)).values("type").annotate(n=Count("id"))
+    found = {row["type"]: int(row["n"]) for row in rows}
+    return {t: found.get(t, 0) for t in EVENT_COUNTERS}
+
+
+@dataclass(frozen=True)
+class Histogram:
+    buckets: list[tuple[float, int]]  # (upper bound, cumulative count)
+    count: int
+    sum: float
+
+
+def lateness_histogram() -> Histogram:
+    """First start minus due time over every run that has started on its due time: one query."""
+    lag = SecondsBetween(F("started_at"), F("due_at"))
+    runs = Run.objects.filter(started_at__isnull=False, due_at__lte=F("started_at")).annotate(lag=lag)
+    found = runs.aggregate(
+        n=Count("id"),
+        total=Sum("lag"),
+        **{f"le_{i}": Count("id", filter=Q(lag__lte=bound)) for i, bound in enumerate(LATENESS_BUCKETS)},
+    )
+    buckets = [(bound, int(found[f"le_{i}"] or 0)) for i, bound in enumerate(LATENESS_BUCKETS)]
+    return Histogram(buckets=buckets, count=int(found["n"] or 0), sum=float(found["total"] or 0.0))
+
+
+@dataclass(frozen=True)
+class TargetFigures:
+    host: str
+    in_flight: int  # bulkhead slots held now (of SCHEDULER_TARGET_CONCURRENCY)
+    breaker: str  # closed, open or half_open
+    failures: int  # in a row, as the breaker counts them
+    next_probe_at: datetime | None
+
+
+def target_states(now: datetime | None = None, limit: int = 500) -> list[TargetFigures]:
+    """Per-target bulkhead use and breaker state: two queries (slots by host, breakers).
+    Looked up by name, so this page works before the bulkhead's models (runs.bulkhead,
+    runs.breakers) are migrated: [] then."""
+    try:
+        slots = apps.get_model("runs", "TargetSlot")
+        breakers = apps.get_model("runs", "TargetBreaker")
+    except LookupError:
+        return []
+    now = now or timezone.now()
+    # A slot past its lease belongs to a worker that died: not in flight.
+    live = slots.objects.filter(expires_at__gte=now).values("host").annotate(n=Count("id")).order_by("host")
+    in_flight = {row["host"]: int(row["n"]) for row in live[:limit]}
+    states = {b.host: b for b in breakers.objects.order_by("host")[:limit]}
+    rows = []
+    for host in sorted(set(in_flight) | set(states))[:limit]:
+        breaker = states.get(host)
+        rows.append(
+            TargetFigures(
+                host=host,
+                in_flight=in_flight.get(host, 0),
+                breaker=breaker.state if breaker else "closed",
+                failures=breaker.failures if breaker else 0,
+                next_probe_at=breaker.next_probe_at if breaker else None,
+            )
+        )
+    return rows
+
+
+@dataclass(frozen=True)
+class ScannerFigures:
+    reachable: bool
+    owners: dict[str, list[int]]
+    unowned: list[int]
+    error: str = ""
+
+
+def scanner_figures() -> ScannerFigures:
+    """Which scanner holds which partitions, from the coordinator."""
+    from scanners.coordination import CoordinatorUnavailable, partition_owners
+
+    try:
+        owners = partition_owners()
+    except CoordinatorUnavailable as exc:
+        return ScannerFigures(False, {}, [], str(exc))
+    held = {p for parts in owners.values() for p in parts}
+    return ScannerFigures(True, owners, [p for p in range(settings.SCHEDULER_PARTITIONS) if p not in held])
+
+
+def broker_queue_length() -> int | None:
+    """Messages waiting on the run queue in the broker; None when it cannot be asked."""
+    from kombu.exceptions import ChannelError
+
+    from scheduler_project.celery import app
+
+    try:
+        with app.connection_for_read() as conn:
+            conn.ensure_connection(max_retries=1, timeout=2)
+            try:
+                declared = conn.default_channel.queue_declare(queue=settings.CELERY_TASK_DEFAULT_QUEUE, passive=True)
+            except ChannelError:
+                return 0  # not declared yet: no worker or publish has used it, so nothing waits
+            return int(declared.message_count)
+    except Exception:  # any other broker trouble only means "unknown" on an ops page
+        return None
+
+
+# --------------------------------------------------------------------------- /metrics
+
+
+def _line(name: str, value: float | int | None, labels: dict[str, str] | None = None) -> str:
+    text = "NaN" if value is None else (repr(float(value)) if isinstance(value, float) else str(value))
+    if labels:
+        inner = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
+        return f"{name}{{{inner}}} {text}"
+    return f"{name} {text}"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _header(name: str, kind: str, text: str) -> list[str]:
+    return [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
+
+
+BREAKER_STATES = ("closed", "half_open", "open")
+
+
+def render_metrics(now: datetime | None = None) -> str:
+    """The Prometheus text exposition format (version 0.0.4)."""
+    now = now or timezone.now()
+    out: list[str] = []
+    counts = event_counts()
+    for event_type, (name, text) in EVENT_COUNTERS.items():
+        out += _header(name, "counter", text) + [_line(name, counts[event_type])]
+    hist = lateness_histogram()
+    name = "scheduler_run_lateness_seconds"
+    out += _header(name, "histogram", "A run's first start minus its due time.")
+    for bound, count in hist.buckets:
+        out.append(_line(f"{name}_bucket", count, {"le": repr(bound)}))
+    out += [
+        _line(f"{name}_bucket", hist.count, {"le": "+Inf"}),
+        _line(f"{name}_sum", hist.sum),
+        _line(f"{name}_count", hist.count),
+    ]
+    queue = queue_figures(now)
+    for key, text in (
+        ("queued", "Runs queued in the store, not yet claimed."),
+        ("due", "Runs due now that the next scan will queue."),
+        ("held", "Waiting runs held by a paused job or target."),
+        ("late", "Waiting runs past their misfire deadline now."),
+    ):
+        metric = f"scheduler_runs_{key}" if key != "queued" else "scheduler_queue_depth"
+        out += _header(metric, "gauge", text) + [_line(metric, getattr(queue, key))]
+    out += _target_lines(now)
+    out += _scanner_lines()
+    return "\n".join(out) + "\n"
+
+
+def _target_lines(now: datetime) -> list[str]:
+    rows = target_states(now)
+    if not rows:
+        return []
+    out = _header("scheduler_target_in_flight", "gauge", "Calls in flight to a target host.")
+    out += [_line("scheduler_target_in_flight", r.in_flight, {"host": r.host}) for r in rows]
+    out += _header("scheduler_target_breaker_state", "gauge", "1 for the breaker's current state per target host.")
+    for row in rows:
+        for state in BREAKER_STATES:
+            out.append(
+                _line("scheduler_target_breaker_state", int(row.breaker == state), {"host": row.host, "state": state})
+            )
+    return out
+
+
+def _scanner_lines() -> list[str]:
+    scanners = scanner_figures()
+    out = _header("scheduler_coordinator_up", "gauge", "1 when the partition coordinator answered.")
+    out.append(_line("scheduler_coordinator_up", int(scanners.reachable)))
+    if not scanners.reachable:
+        return out
+    out += _header("scheduler_scanner_partitions", "gauge", "Partitions each scanner holds.")
+    out += [
+        _line("scheduler_scanner_partitions", len(parts), {"scanner": who}) for who, parts in scanners.owners.items()
+    ]
+    out += _header("scheduler_partitions_unowned", "gauge", "Partitions no scanner holds.")
+    out.append(_line("scheduler_partitions_unowned", len(scanners.unowned)))
+    return out
+
+
+def _authorized(request: HttpRequest) -> bool:
+    token = getattr(settings, "SCHEDULER_METRICS_TOKEN", "")
+    if not token:
+        return True
+    given = request.headers.get("Authorization", "")
+    return hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
+
+
+@require_GET
+def metrics_view(request: HttpRequest) -> HttpResponse:
+    if not _authorized(request):
+        response = HttpResponse(
+            "a bearer token is needed (SCHEDULER_METRICS_TOKEN)\n", status=401, content_type="text/plain; charset=utf-8"
+        )
+        response["WWW-Authenticate"] = 'Bearer realm="metrics"'
+        return response
+    return HttpResponse(render_metrics(), content_type="text/plain; version=0.0.4; charset=utf-8")

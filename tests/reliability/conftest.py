@@ -1,0 +1,5 @@
+"""Real processes for the reliability tests: the integration suite's Stack fixtures
+(and its report hook, so a failing test prints the processes' logs)."""
+from __future__ import annotations
+
+from tests.integration.conftest import integration_env, pytest_runtest_makereport, stack  # noqa: F401
