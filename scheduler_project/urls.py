@@ -8,6 +8,7 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.routers import SimpleRouter
 
 from jobs.api import AuditViewSet, JobViewSet, RunViewSet
+from runs.api import BreakerList
 from runs.metrics import metrics_view
 from scheduler_project import demo
 
@@ -19,6 +20,7 @@ router.register("audit", AuditViewSet, basename="audit")
 
 urlpatterns = [
     path("admin/", admin.site.urls),
+    path("api/breakers/", BreakerList.as_view(), name="breakers"),
     path("api/", include(router.urls)),
     # drf-spectacular's defaults leave these two readable without a token (documentation,
     # no data), so a browser can open the docs page; its assets are served from
