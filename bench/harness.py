@@ -11,6 +11,7 @@ import os
 import platform
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -251,6 +252,12 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: 
             return value
         time.sleep(interval)
     raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def percentile(values: list[float], q: float) -> float:

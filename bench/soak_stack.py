@@ -11,17 +11,15 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import psycopg
 
-ROOT = Path(__file__).resolve().parents[1]
-PY = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv" / "bin" / "python").exists() else sys.executable
+from bench.harness import PY, ROOT, free_port, wait_for
+
 ZK_SCRIPT = ROOT / "scripts" / "zookeeper.sh"
 # The target's own records (bench/soak_target.py): every applied effect, every call.
 TARGET_SCHEMA = """
@@ -35,22 +33,6 @@ CREATE TABLE IF NOT EXISTS soak_calls (
     arrived double precision NOT NULL, answered double precision NOT NULL
 );
 """
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Proc:
