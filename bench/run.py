@@ -24,6 +24,7 @@ def main() -> int:
     p.add_argument("--rate", type=int, default=650, help="offered runs per second")
     p.add_argument("--minutes", type=int, default=2)
     p.add_argument("--delay-ms", type=float, default=0.0, help="target latency")
+    p.add_argument("--out-name", default="sustained", help="writes bench/results/<OUT_NAME>.json")
     scenarios.add_layout_options(p)
 
     p = sub.add_parser("spike", help="100,000 runs due at one instant, then spread over a window")

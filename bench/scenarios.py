@@ -22,6 +22,8 @@ def add_layout_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pool", default="threads", choices=["prefork", "threads", "solo"])
     parser.add_argument("--scanners", type=int, default=1)
     parser.add_argument("--scan-interval", default="0.2")
+    parser.add_argument("--batch", type=int, default=50, help="runs per run-queue message (SCHEDULER_DISPATCH_BATCH)")
+    parser.add_argument("--calls", type=int, default=64, help="calls in flight per worker process (SCHEDULER_WORKER_CALLS)")
 
 
 def _layout(args: argparse.Namespace, stats_dir: Path, **extra: str) -> Layout:
@@ -29,6 +31,8 @@ def _layout(args: argparse.Namespace, stats_dir: Path, **extra: str) -> Layout:
         SCHEDULER_SCAN_INTERVAL=args.scan_interval,
         SCHEDULER_COUNT_STATEMENTS_DIR=str(stats_dir),
         SCHEDULER_TARGET_CONCURRENCY="100000",
+        SCHEDULER_DISPATCH_BATCH=str(args.batch),
+        SCHEDULER_WORKER_CALLS=str(args.calls),
         **extra,
     )
     return Layout(env=env)
@@ -123,7 +127,7 @@ def sustained(args: argparse.Namespace) -> int:
         }
         print_table("sustained", [(k, v) for k, v in summary.items() if not isinstance(v, dict)])
         print("cpu seconds per run:", summary["cpu_s_per_run"])
-        print("written", write_result(args.out_name if hasattr(args, "out_name") else "sustained", summary))
+        print("written", write_result(args.out_name, summary))
         return 0
     finally:
         layout.cleanup()
@@ -253,6 +257,8 @@ def _layout_summary(args: argparse.Namespace) -> dict[str, Any]:
         "pool": args.pool,
         "scanners": args.scanners,
         "scan_interval_s": float(args.scan_interval),
+        "dispatch_batch": args.batch,
+        "calls_per_worker": args.calls,
     }
 
 

@@ -65,6 +65,13 @@ def admit(*, host: str, holder: str, now: datetime, probe_lease: timedelta) -> A
     return Admission(hold_until=bulkhead.wait_until(now), state=B.HALF_OPEN, next_probe_at=probe_at)
 
 
+def not_closed(hosts: list[str]) -> set[str]:
+    """Of these hosts, those whose breaker is open or half-open: one read per batch."""
+    if not hosts:
+        return set()
+    return set(TargetBreaker.objects.filter(host__in=hosts).exclude(state=B.CLOSED).values_list("host", flat=True))
+
+
 def release_probe(*, host: str, holder: str) -> None:
     """A probe that made no call (its claim failed, no slot): let another run probe."""
     TargetBreaker.objects.filter(host=host, state=B.HALF_OPEN, probe_holder=holder).update(
@@ -78,6 +85,18 @@ def record(*, host: str, holder: str, trouble: bool, error: str, now: datetime) 
         _failure(host, holder, error, now)
     else:
         _success(host, holder, now)
+
+
+def record_many(*, host: str, found: list[tuple[str, bool, str]], now: datetime) -> None:
+    """A batch's calls to one host, in order: (holder, trouble, error) each.
+    All fine (the common case) costs what one success does."""
+    if not found:
+        return
+    if not any(trouble for _, trouble, _ in found):
+        _success(host, found[-1][0], now)
+        return
+    for holder, trouble, error in found:
+        record(host=host, holder=holder, trouble=trouble, error=error, now=now)
 
 
 def _success(host: str, holder: str, now: datetime) -> None:

@@ -84,6 +84,77 @@ def claim(*, run_id: int, worker: str, now: datetime, lease: timedelta) -> Claim
     return Claim(run_id=run_id, fence=int(row[0]), attempt=int(row[1]), worker=worker)
 
 
+def claim_many(*, run_ids: list[int], worker: str, now: datetime, lease: timedelta) -> list[Claim]:
+    """The claim for a batch of runs, one statement: the runs someone else holds
+    (or that are no longer queued) are simply not returned."""
+    if not run_ids:
+        return []
+    sql = CLAIM_SQL_WITHOUT_LEASE_CHECK if _fence_checks_disabled() else CLAIM_SQL
+    sql = sql.replace("WHERE id = %s", "WHERE id IN ({})".format(", ".join(["%s"] * len(run_ids))))
+    sql = sql.replace("RETURNING fence, attempt", "RETURNING id, fence, attempt")
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [worker, _db_time(now + lease), _db_time(now), *run_ids, False, _db_time(now)])
+        rows = cursor.fetchall()
+    return [Claim(run_id=int(r[0]), fence=int(r[1]), attempt=int(r[2]), worker=worker) for r in rows]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a holder writes when its call is over: a terminal status, or back to
+    `scheduled` with a later due_at (a retry)."""
+
+    run_id: int
+    fence: int
+    status: str  # succeeded, dead, or scheduled (a retry)
+    now: datetime
+    error: str = ""
+    due_at: datetime | None = None  # for a retry
+
+
+# A batch of outcomes in one statement (PostgreSQL): each row only under its fence,
+# only while the run is still running. RETURNING says which holders were current.
+OUTCOMES_SQL = """
+UPDATE runs AS r
+   SET status = v.status,
+       finished_at = v.finished_at,
+       due_at = COALESCE(v.due_at, r.due_at),
+       last_error = v.error,
+       lease_owner = '',
+       lease_expires_at = NULL,
+       queued_at = CASE WHEN v.status = 'scheduled' THEN NULL ELSE r.queued_at END
+  FROM (VALUES {rows}) AS v(id, fence, status, finished_at, due_at, error)
+ WHERE r.id = v.id AND r.fence = v.fence AND r.status = 'running'
+RETURNING r.id
+"""
+OUTCOME_ROW = "(%s::bigint, %s::bigint, %s::varchar, %s::timestamptz, %s::timestamptz, %s::text)"
+
+
+def record_outcomes(outcomes: list[Outcome]) -> set[int]:
+    """Write each outcome under its fence; returns the runs whose write landed.
+    A run missing from the answer had its lease taken over: a stale holder."""
+    if not outcomes:
+        return set()
+    if connection.vendor != "postgresql":
+        return {o.run_id for o in outcomes if _record_one(o)}
+    sql = OUTCOMES_SQL.format(rows=", ".join([OUTCOME_ROW] * len(outcomes)))
+    if _fence_checks_disabled():
+        sql = sql.replace("r.fence = v.fence AND ", "")
+    params: list[object] = []
+    for o in outcomes:
+        finished = None if o.status == S.SCHEDULED else o.now
+        params += [o.run_id, o.fence, o.status, finished, o.due_at, o.error[:2000]]
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        return {int(row[0]) for row in cursor.fetchall()}
+
+
+def _record_one(o: Outcome) -> bool:
+    if o.status == S.SCHEDULED:
+        assert o.due_at is not None
+        return schedule_retry(run_id=o.run_id, fence=o.fence, due_at=o.due_at, error=o.error)
+    return finish(run_id=o.run_id, fence=o.fence, status=o.status, now=o.now, error=o.error)
+
+
 def may_claim(run: Run, now: datetime) -> bool:
     """The claim's condition, read without writing: whether to try at all. The
     claim itself still decides (someone may get there between the two)."""
@@ -197,6 +268,11 @@ def lock_due(*, partitions: list[int], now: datetime, limit: int) -> "QuerySet[R
         .order_by("due_at")
         .select_for_update(skip_locked=True, of=("self",))[:limit]
     )
+
+
+def count_queued(*, partitions: list[int]) -> int:
+    """Runs queued and not yet claimed in these partitions (runs_queued_idx)."""
+    return Run.objects.filter(partition__in=partitions, status=S.QUEUED).count()
 
 
 def mark_queued(*, run_ids: list[int], now: datetime) -> int:

@@ -72,8 +72,8 @@ def timeline_violations(status: str, events: list[Event]) -> list[str]:
 
     - `at` never goes backwards (beyond CLOCK_SLACK), a superseded holder's late
       events apart;
-    - claims hand out strictly rising fences, and rising attempts (a dead run
-      requeued by an operator starts a new round of tries);
+    - claims hand out strictly rising fences, and strictly rising attempts (a dead
+      run requeued by an operator goes on counting: runs.ops);
     - every outcome (succeeded, dead, retry_scheduled) was written under the fence
       of the latest claim: the store never takes a superseded holder's write;
     - a stale_write_rejected names an older fence, or a lease the store took back
@@ -104,8 +104,6 @@ def timeline_violations(status: str, events: list[Event]) -> list[str]:
             taken_back = False
         elif event.type in TAKEN_BACK:
             taken_back = True
-        elif event.type == "requeued" and "previous_attempts" in event.detail:
-            latest_attempt = 0  # requeued from the dead list: a new round of tries (runs.ops)
         elif event.type in OUTCOME_EVENTS and isinstance(fence, int) and fence != latest_fence:
             problems.append(f"{event.type} {event.id} written under fence {fence}, but fence {latest_fence} held the lease")
         elif event.type == "stale_write_rejected" and isinstance(fence, int) and fence >= latest_fence \

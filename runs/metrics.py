@@ -232,18 +232,18 @@ class TargetFigures:
 
 
 def target_states(now: datetime | None = None, limit: int = 500) -> list[TargetFigures]:
-    """Per-target bulkhead use and breaker state: two queries (slots by host, breakers).
+    """Per-target bulkhead use and breaker state: the slot store, and one query (breakers).
     Looked up by name, so this page works before the bulkhead's models (runs.bulkhead,
     runs.breakers) are migrated: [] then."""
+    from runs import bulkhead
+
     try:
-        slots = apps.get_model("runs", "TargetSlot")
         breakers = apps.get_model("runs", "TargetBreaker")
     except LookupError:
         return []
     now = now or timezone.now()
     # A slot past its lease belongs to a worker that died: not in flight.
-    live = slots.objects.filter(expires_at__gte=now).values("host").annotate(n=Count("id")).order_by("host")
-    in_flight = {row["host"]: int(row["n"]) for row in live[:limit]}
+    in_flight = dict(sorted(bulkhead.in_flight(None, now=now).items())[:limit])
     states = {b.host: b for b in breakers.objects.order_by("host")[:limit]}
     rows = []
     for host in sorted(set(in_flight) | set(states))[:limit]:

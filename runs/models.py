@@ -20,7 +20,8 @@ class Run(models.Model):
     OPEN = (Status.SCHEDULED, Status.QUEUED, Status.RUNNING)
     TERMINAL = (Status.SUCCEEDED, Status.DEAD, Status.SKIPPED, Status.CANCELLED)
 
-    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="runs")
+    # No index of its own: runs_one_run_per_time (job, scheduled_for) leads with job.
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="runs", db_index=False)
     scheduled_for = models.DateTimeField()  # the nominal time, whole seconds, UTC
     due_at = models.DateTimeField()  # when it may start: inside the window, or the retry time
     partition = models.SmallIntegerField()
@@ -28,6 +29,9 @@ class Run(models.Model):
     # Held runs are not scanned: the job is paused, or its target host is paused.
     held = models.BooleanField(default=False)
     attempt = models.PositiveIntegerField(default=0)  # calls made (claims that call the target)
+    # Calls made before the run was last requeued from the dead list: the retry
+    # policy counts `attempt - attempt_base`, while X-Attempt keeps rising.
+    attempt_base = models.PositiveIntegerField(default=0)
     fence = models.BigIntegerField(default=0)  # +1 on every lease handed out
     lease_owner = models.CharField(max_length=200, blank=True)
     lease_expires_at = models.DateTimeField(null=True, blank=True)
@@ -91,7 +95,12 @@ class Run(models.Model):
 class RunEvent(models.Model):
     """One line of a run's timeline."""
 
-    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="events")
+    # The timeline is append-only and written in bulk: no foreign-key trigger per row
+    # (a run's events go with it through the ORM: prune_runs, admin deletes), and no
+    # index of its own (run_events_run_idx leads with run).
+    run = models.ForeignKey(
+        Run, on_delete=models.CASCADE, related_name="events", db_index=False, db_constraint=False
+    )
     at = models.DateTimeField()
     type = models.CharField(max_length=40)
     detail = models.JSONField(default=dict, blank=True)

@@ -10,9 +10,10 @@ Choices where the brief was open (docs/admin.md says the same for operators):
   lifecycle would try to create that next run a second time. Extra runs never
   misfire and never create a next run: exactly what a re-try of an old time needs.
 - It keeps its id, scheduled_for (so the same Idempotency-Key) and fence: the next
-  claim raises the fence, which shuts out any old holder. Its `attempt` restarts
-  at 0, so the job's retry policy applies afresh and X-Attempt counts from 1
-  again; the `requeued` event keeps the earlier count (`previous_attempts`).
+  claim raises the fence, which shuts out any old holder. Its `attempt` goes on
+  rising (X-Attempt goes up by one per call, as the CONTRACT says), while
+  `attempt_base` records the calls made so far, so the job's retry policy applies
+  afresh; the `requeued` event keeps the earlier count (`previous_attempts`).
 - A dead run of a paused or deleted job is not requeued (it would sit held, or
   call a job that was ended); the operator resumes the job first.
 
@@ -117,7 +118,7 @@ def run_requeue_dead(*, run: Run, now: datetime | None = None, actor: Any = None
         status=S.SCHEDULED,
         due_at=now,
         held=is_held(locked.job),
-        attempt=0,
+        attempt_base=locked.attempt,
         is_backfill=True,
         finished_at=None,
         queued_at=None,

@@ -21,7 +21,7 @@ from django.utils import timezone
 from jobs import schedule
 from jobs.models import Job
 from jobs.validators import check_resolved_target, target_host
-from runs import breakers, bulkhead, claims, delivery, events
+from runs import breakers, bulk, bulkhead, claims, delivery, events
 from runs.claims import Claim
 from runs.delivery import CallResult
 from runs.models import Run
@@ -84,14 +84,14 @@ def run_next_create(*, job: Job, now: datetime) -> Run | None:
 
 
 class Heartbeat:
-    """Keeps the lease (and the bulkhead slot) alive while the target call is in
-    flight, from its own thread."""
+    """Keeps the leases (and the bulkhead slots) of a batch's calls alive while they
+    are in flight, from one thread of its own."""
 
-    def __init__(self, claim: Claim, lease: timedelta, slot: bulkhead.Slot | None = None) -> None:
-        self.claim, self.lease, self.slot = claim, lease, slot
+    def __init__(self, claims_: list[Claim], lease: timedelta, slots: list[bulkhead.Slot]) -> None:
+        self.claims, self.lease, self.slots = list(claims_), lease, list(slots)
         self.stopped = threading.Event()
-        self.lost = False
-        self.thread = threading.Thread(target=self._beat, name=f"heartbeat-{claim.run_id}", daemon=True)
+        self.lost: set[int] = set()
+        self.thread = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
 
     def __enter__(self) -> "Heartbeat":
         self.thread.start()
@@ -110,22 +110,23 @@ class Heartbeat:
                 except Exception:
                     # A dropped connection (a database restart, a terminated backend)
                     # costs one beat, not the lease: the next beat reconnects.
-                    logger.warning("heartbeat for run %s failed; trying again", self.claim.run_id, exc_info=True)
+                    logger.warning("heartbeat for %d runs failed; trying again", len(self.claims), exc_info=True)
                     connection.close()
-                if self.lost and self.slot is None:
+                if len(self.lost) == len(self.claims) and not self.slots:
                     return
         finally:
             connection.close()
 
     def _beat_once(self) -> None:
         now = timezone.now()
-        if not self.lost:
-            alive = claims.heartbeat(run_id=self.claim.run_id, fence=self.claim.fence, now=now, lease=self.lease)
-            # Taken over: the call goes on, but its outcome will be refused.
-            self.lost = not alive
-        if self.slot is not None:
-            # The call is still in flight to the host, taken over or not: it holds its slot.
-            bulkhead.extend(self.slot, now=now, lease=self.lease)
+        for claim in self.claims:
+            if claim.run_id in self.lost:
+                continue
+            if not claims.heartbeat(run_id=claim.run_id, fence=claim.fence, now=now, lease=self.lease):
+                # Taken over: the call goes on, but its outcome will be refused.
+                self.lost.add(claim.run_id)
+        # A call still in flight to the host, taken over or not, holds its slot.
+        self.slots = bulkhead.extend_many(self.slots, now=now, lease=self.lease)
 
 
 @dataclass
@@ -138,52 +139,96 @@ class Gate:
     probe: bool
     called: bool = False
 
-    def release(self) -> None:
-        try:
-            bulkhead.release(self.slot)
-            if self.probe and not self.called:
-                breakers.release_probe(host=self.host, holder=self.holder)
-        except Exception:  # the slot and the probe run out by themselves
-            logger.warning("could not release %s's slot for %s", self.holder, self.host, exc_info=True)
+
+def _release(gates: list[Gate]) -> None:
+    try:
+        bulkhead.release_many([g.slot for g in gates])
+        for gate in gates:
+            if gate.probe and not gate.called:
+                breakers.release_probe(host=gate.host, holder=gate.holder)
+    except Exception:  # the slots and the probes run out by themselves
+        logger.warning("could not release %d bulkhead slots", len(gates), exc_info=True)
 
 
 def run_execute(*, run_id: int, worker: str | None = None) -> str:
-    """Admit, claim, call the target, record what happened. Returns the outcome.
+    """One run: admit, claim, call, record. Returns the outcome."""
+    return run_execute_many(run_ids=[run_id], worker=worker)[run_id]
+
+
+def run_execute_many(*, run_ids: list[int], worker: str | None = None) -> dict[int, str]:
+    """A batch of runs (one message from the scanner): admit, claim, call the
+    targets side by side, record what happened. Returns each run's outcome.
 
     Admission (the target's breaker, then a bulkhead slot) comes before the claim,
     so a run that may not be called yet goes back to `scheduled` without its
-    attempt or fence moving: waiting spends no try, and holds no worker.
+    attempt or fence moving: waiting spends no try, and holds no worker. The
+    claim, the outcomes and the next runs are each one statement for the whole
+    batch; every write still names its run's fence.
     """
     worker = worker or default_worker_id()
     lease = lease_length()
-    run = Run.objects.select_related("job").filter(pk=run_id).first()
-    if run is None or not claims.may_claim(run, timezone.now()):
-        return "not_claimed"  # ended, held, or someone holds a live lease: drop the message
-    gate = _admit(run, worker, lease)
-    if isinstance(gate, str):
-        return gate
-    try:
-        return _claim_and_call(run_id, worker, lease, gate)
-    finally:
-        gate.release()
-
-
-def _admit(run: Run, worker: str, lease: timedelta) -> Gate | str:
+    outcomes: dict[int, str] = {}
     now = timezone.now()
-    host = target_host(run.job.target)
-    holder = f"{run.pk}/{worker}"
-    probe_lease = timedelta(seconds=run.job.timeout_seconds) + lease
-    admission = breakers.admit(host=host, holder=holder, now=now, probe_lease=probe_lease)
-    if admission.hold_until is not None:
+    found = {r.pk: r for r in Run.objects.select_related("job").filter(pk__in=run_ids)}
+    candidates = []
+    for run_id in dict.fromkeys(run_ids):
+        run = found.get(run_id)
+        if run is None or not claims.may_claim(run, now):
+            outcomes[run_id] = "not_claimed"  # ended, held, or someone holds a live lease: drop it
+        else:
+            candidates.append(run)
+    gates = _admit(candidates, worker, lease, now, outcomes)
+    try:
+        if gates:
+            _claim_and_call([r for r in candidates if r.pk in gates], worker, lease, gates, outcomes)
+    finally:
+        _release(list(gates.values()))
+    return outcomes
+
+
+def _admit(runs: list[Run], worker: str, lease: timedelta, now: datetime, outcomes: dict[int, str]) -> dict[int, Gate]:
+    """The breaker, then the bulkhead, per target host. Returns the runs let through."""
+    by_host: dict[str, list[Run]] = {}
+    for run in runs:
+        by_host.setdefault(target_host(run.job.target), []).append(run)
+    not_closed = breakers.not_closed(list(by_host))  # one read: usually nothing
+    gates: dict[int, Gate] = {}
+    for host, group in by_host.items():
+        probes: set[int] = set()
+        if host in not_closed:
+            group, probes = _through_breaker(host, group, worker, lease, now, outcomes)
+        holders = [f"{run.pk}/{worker}" for run in group]
+        slots = {slot.holder: slot for slot in bulkhead.take_many(host=host, holders=holders, now=now, lease=lease)}
+        for run, holder in zip(group, holders):
+            slot = slots.get(holder)
+            if slot is not None:
+                gates[run.pk] = Gate(host=host, holder=holder, slot=slot, probe=run.pk in probes)
+                continue
+            if run.pk in probes:
+                breakers.release_probe(host=host, holder=holder)
+            outcomes[run.pk] = _defer(run, now, bulkhead.wait_until(now, host), "bulkhead_wait", host=host,
+                                      limit=bulkhead.limit())
+    return gates
+
+
+def _through_breaker(
+    host: str, group: list[Run], worker: str, lease: timedelta, now: datetime, outcomes: dict[int, str]
+) -> tuple[list[Run], set[int]]:
+    """A host whose breaker is open or half-open: the runs it lets through (the probe)."""
+    passed, probes = [], set()
+    for run in group:
+        holder = f"{run.pk}/{worker}"
+        probe_lease = timedelta(seconds=run.job.timeout_seconds) + lease
+        admission = breakers.admit(host=host, holder=holder, now=now, probe_lease=probe_lease)
+        if admission.hold_until is None:
+            passed.append(run)
+            if admission.probe:
+                probes.add(run.pk)
+            continue
         probe_at = delivery.iso_z(admission.next_probe_at) if admission.next_probe_at else None
-        return _defer(run, now, admission.hold_until, "held_by_breaker", host=host, state=admission.state,
-                      next_probe_at=probe_at)
-    slot = bulkhead.take(host=host, holder=holder, now=now, lease=lease)
-    if slot is None:
-        if admission.probe:
-            breakers.release_probe(host=host, holder=holder)
-        return _defer(run, now, bulkhead.wait_until(now, host), "bulkhead_wait", host=host, limit=bulkhead.limit())
-    return Gate(host=host, holder=holder, slot=slot, probe=admission.probe)
+        outcomes[run.pk] = _defer(run, now, admission.hold_until, "held_by_breaker", host=host,
+                                  state=admission.state, next_probe_at=probe_at)
+    return passed, probes
 
 
 def _defer(run: Run, now: datetime, due_at: datetime, reason: str, **detail: object) -> str:
@@ -194,35 +239,109 @@ def _defer(run: Run, now: datetime, due_at: datetime, reason: str, **detail: obj
     return reason
 
 
-def _claim_and_call(run_id: int, worker: str, lease: timedelta, gate: Gate) -> str:
+@dataclass
+class Call:
+    run: Run
+    claim: Claim
+    request: delivery.Request | None = None
+    refusal: str = ""  # claimed, but must not be called: why
+    result: CallResult | None = None
+
+
+def _claim_and_call(
+    runs: list[Run], worker: str, lease: timedelta, gates: dict[int, Gate], outcomes: dict[int, str]
+) -> None:
     with transaction.atomic():
         now = timezone.now()
-        claim = claims.claim(run_id=run_id, worker=worker, now=now, lease=lease)
+        taken = claims.claim_many(run_ids=[r.pk for r in runs], worker=worker, now=now, lease=lease)
+        events.record_many(
+            events.event(c.run_id, "claimed", now, fence=c.fence, worker=worker, attempt=c.attempt) for c in taken
+        )
+    by_id = {c.run_id: c for c in taken}
+    calls = []
+    for run in runs:
+        claim = by_id.get(run.pk)
         if claim is None:
-            return "not_claimed"  # someone else holds it, or it is no longer queued
-        run = Run.objects.select_related("job").get(pk=run_id)
-        events.record(run_id, "claimed", now, fence=claim.fence, worker=worker, attempt=claim.attempt)
-    job = run.job
-    if claim.attempt > job.retry_max + 1:
-        return run_record_refusal(run=run, job=job, claim=claim, reason="out of tries (leases lost)")
-    try:
-        check_resolved_target(job.target)
-    except ValueError as exc:
-        return run_record_refusal(run=run, job=job, claim=claim, reason=f"target refused: {exc}")
-    request = delivery.build_request(run=run, job=job, claim=claim, signer=_signer_for(job))
-    with Heartbeat(claim, lease, gate.slot):
-        result = delivery.call(request, timeout_seconds=job.timeout_seconds)
-    gate.called = True
-    _tell_breaker(gate, result)
-    return run_record_outcome(run=run, job=job, claim=claim, result=result)
+            outcomes[run.pk] = "not_claimed"  # someone else holds it, or it is no longer queued
+            continue
+        run.fence, run.attempt = claim.fence, claim.attempt
+        calls.append(Call(run=run, claim=claim))
+    _prepare(calls)
+    to_call = [c for c in calls if c.request is not None]
+    with Heartbeat([c.claim for c in to_call], lease, [gates[c.run.pk].slot for c in to_call]):
+        _call_all(to_call, {c.run.pk: gates[c.run.pk].host for c in to_call})
+    for call in to_call:
+        gates[call.run.pk].called = True
+    _tell_breakers(to_call, gates)
+    outcomes.update(run_record_outcomes(calls))
 
 
-def _tell_breaker(gate: Gate, result: CallResult) -> None:
-    try:
-        breakers.record(host=gate.host, holder=gate.holder, trouble=result.retryable, error=result.describe(),
-                        now=timezone.now())
-    except Exception:  # the breaker is advice; the outcome must still be recorded
-        logger.warning("could not record the call's result on %s's breaker", gate.host, exc_info=True)
+def _prepare(calls: list[Call]) -> None:
+    """Checks after the claim (tries left, the target's address now), then the request."""
+    checked: dict[str, str] = {}
+    signers: dict[int, delivery.Signer | None] = {}
+    for call in calls:
+        job = call.run.job
+        if call.claim.attempt - call.run.attempt_base > job.retry_max + 1:
+            call.refusal = "out of tries (leases lost)"
+            continue
+        if job.target not in checked:
+            try:
+                check_resolved_target(job.target)
+                checked[job.target] = ""
+            except ValueError as exc:
+                checked[job.target] = f"target refused: {exc}"
+        if checked[job.target]:
+            call.refusal = checked[job.target]
+            continue
+        if job.owner_id not in signers:
+            signers[job.owner_id] = _signer_for(job)
+        call.request = delivery.build_request(run=call.run, job=job, claim=call.claim, signer=signers[job.owner_id])
+
+
+# How long recent calls to each host took (ms, a moving average, this process).
+_recent_ms: dict[str, float] = {}
+QUICK_MS = 5.0  # a host this quick is called in turn: a thread hand-off would cost more
+
+
+def _call_all(calls: list[Call], hosts: dict[int, str]) -> None:
+    """The batch's calls: side by side on the worker process's call pool; or, for
+    a host that has been answering within QUICK_MS, one after another on this
+    thread, until one of them is slow, when the rest go to the pool."""
+    rest = list(calls)
+    while rest and (len(rest) == 1 or _recent_ms.get(hosts[rest[0].run.pk], 1e9) <= QUICK_MS):
+        call = rest.pop(0)
+        call.result = delivery.call(call.request, timeout_seconds=call.run.job.timeout_seconds)  # type: ignore[arg-type]
+        _note_duration(hosts[call.run.pk], call.result)
+    futures = [
+        delivery.call_pool().submit(delivery.call, c.request, timeout_seconds=c.run.job.timeout_seconds) for c in rest
+    ]
+    for call, future in zip(rest, futures):
+        call.result = future.result()
+        _note_duration(hosts[call.run.pk], call.result)
+
+
+def _note_duration(host: str, result: CallResult) -> None:
+    before = _recent_ms.get(host)
+    took = float(result.duration_ms) if result.status is not None else 1e6
+    _recent_ms[host] = took if before is None else 0.8 * before + 0.2 * took
+
+
+def _tell_breakers(calls: list[Call], gates: dict[int, Gate]) -> None:
+    """Each host's calls, in order, on its breaker: a write only when something changes."""
+    by_host: dict[str, list[Call]] = {}
+    for call in calls:
+        by_host.setdefault(gates[call.run.pk].host, []).append(call)
+    now = timezone.now()
+    for host, group in by_host.items():
+        try:
+            breakers.record_many(
+                host=host,
+                found=[(gates[c.run.pk].holder, c.result.retryable, c.result.describe()) for c in group if c.result],
+                now=now,
+            )
+        except Exception:  # the breaker is advice; the outcomes must still be recorded
+            logger.warning("could not record the calls' results on %s's breaker", host, exc_info=True)
 
 
 def _signer_for(job: Job) -> delivery.Signer | None:
@@ -231,79 +350,128 @@ def _signer_for(job: Job) -> delivery.Signer | None:
     return signer_for_owner(job.owner_id)
 
 
-def _answered_event(run: Run, claim: Claim, result: CallResult, now: datetime) -> object:
+def _answered_event(run: Run, claim: Claim, result: CallResult, now: datetime) -> events.Event:
     answer = {"status": result.status} if result.status is not None else {"error": result.error}
     return events.event(run.pk, "target_answered", now, fence=claim.fence, duration_ms=result.duration_ms, **answer)
 
 
-def run_record_outcome(*, run: Run, job: Job, claim: Claim, result: CallResult) -> str:
-    """One transaction: the outcome under the fence, and the next run or the retry."""
-    now = timezone.now()
-    with transaction.atomic():
-        answered = _answered_event(run, claim, result, now)
-        if result.ok:
-            if not claims.finish(run_id=run.pk, fence=claim.fence, status=S.SUCCEEDED, now=now):
-                return _stale(run, claim, now, answered)
-            events.record_many([answered, events.event(run.pk, "succeeded", now, fence=claim.fence)])
-            _next_run(job, run, now)
-            return "succeeded"
-        if result.retryable and claim.attempt <= job.retry_max:
-            due_at = now + schedule.retry_delay(
-                attempt=claim.attempt,
-                backoff=job.retry_backoff,
-                base=timedelta(seconds=job.retry_base_seconds),
-                cap=timedelta(seconds=job.retry_cap_seconds),
-                retry_after=(
-                    timedelta(seconds=result.retry_after_seconds) if result.retry_after_seconds is not None else None
-                ),
-            )
-            if not claims.schedule_retry(run_id=run.pk, fence=claim.fence, due_at=due_at, error=result.describe()):
-                return _stale(run, claim, now, answered)
-            retry = events.event(run.pk, "retry_scheduled", now, due_at=delivery.iso_z(due_at), fence=claim.fence)
-            events.record_many([answered, retry])
-            return "retry_scheduled"
-        if result.retryable:
-            reason = f"out of tries after {claim.attempt} attempts: {result.describe()}"
-        else:
-            reason = f"target answered {result.describe()}"
-        return _dead(run=run, job=job, claim=claim, reason=reason, now=now, answered=answered)
-
-
-def run_record_refusal(*, run: Run, job: Job, claim: Claim, reason: str) -> str:
-    """A claimed run that must not be called goes to the dead list."""
-    now = timezone.now()
-    with transaction.atomic():
-        return _dead(run=run, job=job, claim=claim, reason=reason, now=now, answered=None)
-
-
-def _dead(*, run: Run, job: Job, claim: Claim, reason: str, now: datetime, answered: object) -> str:
-    if not claims.finish(run_id=run.pk, fence=claim.fence, status=S.DEAD, now=now, error=reason):
-        return _stale(run, claim, now, answered)
-    recipient = job.notify or job.owner.email
-    found = [answered] if answered is not None else []
-    dead = events.event(run.pk, "dead", now, reason=reason, notified=recipient, fence=claim.fence)
-    events.record_many(found + [dead])
-    _next_run(job, run, now)
-    transaction.on_commit(lambda: notify_dead(run_id=run.pk, reason=reason))
-    return "dead"
-
-
-def _next_run(job: Job, run: Run, now: datetime) -> None:
-    if run.is_backfill:
-        return  # backfills are extra runs; the job's own timetable goes on without them
-    nxt = run_next_create(job=job, now=now)
-    if nxt is not None:
-        events.record(
-            run.pk, "next_run_created", now, run=nxt.public_id, scheduled_for=delivery.iso_z(nxt.scheduled_for)
+def _decide(call: Call, now: datetime) -> tuple[claims.Outcome, str]:
+    """The outcome a finished call asks for, and the dead reason if it is one."""
+    run, job, claim, result = call.run, call.run.job, call.claim, call.result
+    if call.refusal:
+        return claims.Outcome(run.pk, claim.fence, S.DEAD, now, error=call.refusal), call.refusal
+    assert result is not None
+    if result.ok:
+        return claims.Outcome(run.pk, claim.fence, S.SUCCEEDED, now), ""
+    tries = claim.attempt - run.attempt_base  # calls in this round (a requeue starts a new one)
+    if result.retryable and tries <= job.retry_max:
+        due_at = now + schedule.retry_delay(
+            attempt=tries,
+            backoff=job.retry_backoff,
+            base=timedelta(seconds=job.retry_base_seconds),
+            cap=timedelta(seconds=job.retry_cap_seconds),
+            retry_after=(
+                timedelta(seconds=result.retry_after_seconds) if result.retry_after_seconds is not None else None
+            ),
         )
+        return claims.Outcome(run.pk, claim.fence, S.SCHEDULED, now, error=result.describe(), due_at=due_at), ""
+    if result.retryable:
+        reason = f"out of tries after {tries} attempts: {result.describe()}"
+    else:
+        reason = f"target answered {result.describe()}"
+    return claims.Outcome(run.pk, claim.fence, S.DEAD, now, error=reason), reason
 
 
-def _stale(run: Run, claim: Claim, now: datetime, answered: object) -> str:
-    # The lease was taken over: the store refuses this holder's outcome.
-    found = [answered] if answered is not None else []
-    events.record_many(found + [events.event(run.pk, "stale_write_rejected", now, fence=claim.fence, worker=claim.worker)])
-    logger.warning("run %s: stale write from fence %s refused", run.public_id, claim.fence)
-    return "stale_write_rejected"
+def run_record_outcomes(calls: list[Call]) -> dict[int, str]:
+    """One transaction for a batch: each outcome under its fence, the events, and
+    the next run of every run that ended (or the retry, as a row)."""
+    if not calls:
+        return {}
+    now = timezone.now()
+    decided = [(call, *_decide(call, now)) for call in calls]
+    outcomes: dict[int, str] = {}
+    found: list[events.Event] = []
+    ended: list[Run] = []
+    with transaction.atomic():
+        landed = claims.record_outcomes([outcome for _, outcome, _ in decided])
+        for call, outcome, reason in decided:
+            run, claim = call.run, call.claim
+            if call.result is not None:
+                found.append(_answered_event(run, claim, call.result, now))
+            if run.pk not in landed:
+                # The lease was taken over: the store refuses this holder's outcome.
+                found.append(events.event(run.pk, "stale_write_rejected", now, fence=claim.fence, worker=claim.worker))
+                logger.warning("run %s: stale write from fence %s refused", run.public_id, claim.fence)
+                outcomes[run.pk] = "stale_write_rejected"
+            elif outcome.status == S.SUCCEEDED:
+                found.append(events.event(run.pk, "succeeded", now, fence=claim.fence))
+                ended.append(run)
+                outcomes[run.pk] = "succeeded"
+            elif outcome.status == S.SCHEDULED:
+                found.append(events.event(run.pk, "retry_scheduled", now, due_at=delivery.iso_z(outcome.due_at),
+                                          fence=claim.fence))
+                outcomes[run.pk] = "retry_scheduled"
+            else:
+                recipient = run.job.notify or run.job.owner.email
+                found.append(events.event(run.pk, "dead", now, reason=reason, notified=recipient, fence=claim.fence))
+                ended.append(run)
+                outcomes[run.pk] = "dead"
+                transaction.on_commit(lambda pk=run.pk, why=reason: notify_dead(run_id=pk, reason=why))
+        found += _next_runs([r for r in ended if not r.is_backfill], now)
+        events.record_many(found)
+    return outcomes
+
+
+def _next_runs(ended: list[Run], now: datetime) -> list[events.Event]:
+    """The next run of each job whose run ended, created together (backfills are
+    extra runs: the job's own timetable goes on without them). Returns the
+    events to record: each new run's `scheduled`, each ended run's `next_run_created`."""
+    jobs = {run.job_id: run.job for run in ended if run.job.state != Job.State.DELETED}
+    one_offs = [pk for pk, job in jobs.items() if not job.is_recurring]
+    if one_offs:
+        Job.objects.filter(pk__in=one_offs).exclude(state=Job.State.DELETED).update(
+            state=Job.State.COMPLETED, updated_at=now
+        )
+    recurring = {pk: job for pk, job in jobs.items() if job.is_recurring}
+    if not recurring:
+        return []
+    latest = dict(
+        Run.objects.filter(job_id__in=list(recurring), is_backfill=False)
+        .values("job_id")
+        .annotate(t=Max("scheduled_for"))
+        .values_list("job_id", "t")
+    )
+    paused_hosts = paused_target_hosts({target_host(job.target) for job in recurring.values()})
+    rows = []
+    for pk, job in recurring.items():
+        when = schedule.next_cron_time(job.schedule, job.timezone, latest.get(pk) or now)
+        rows.append(
+            Run(
+                job=job,
+                scheduled_for=when,
+                due_at=schedule.spread_due_at(pk, when, timedelta(seconds=job.window_seconds)),
+                partition=job.partition,
+                held=job.paused or target_host(job.target) in paused_hosts,
+            )
+        )
+    created = bulk.insert_open_runs(rows)
+    new_by_job = {r.job_id: r for r in created}
+    found = [
+        events.event(r.pk, "scheduled", now, scheduled_for=delivery.iso_z(r.scheduled_for), due_at=delivery.iso_z(r.due_at))
+        for r in created
+    ]
+    for run in ended:
+        nxt = new_by_job.get(run.job_id)
+        if nxt is not None:
+            found.append(events.event(run.pk, "next_run_created", now, run=nxt.public_id,
+                                      scheduled_for=delivery.iso_z(nxt.scheduled_for)))
+    return found
+
+
+def paused_target_hosts(hosts: set[str]) -> set[str]:
+    from runs.models import PausedTarget
+
+    return set(PausedTarget.objects.filter(host__in=list(hosts)).values_list("host", flat=True)) if hosts else set()
 
 
 def notify_dead(*, run_id: int, reason: str) -> None:

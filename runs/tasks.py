@@ -1,4 +1,4 @@
-"""Celery tasks: thin, an id in, a service call."""
+"""Celery tasks: thin, ids in, a service call."""
 from __future__ import annotations
 
 import os
@@ -6,11 +6,21 @@ import threading
 
 from celery import Task, shared_task
 
-from runs.services import run_execute
+from runs.services import run_execute_many
+
+
+def _worker(task: Task) -> str:
+    # The worker's name in the run's timeline: Celery node, process, thread.
+    return f"{task.request.hostname or 'worker'}/{os.getpid()}/{threading.get_ident() % 100000}"
+
+
+@shared_task(bind=True, name="runs.execute_runs", ignore_result=True)
+def execute_runs(self: Task, run_ids: list[int]) -> dict[int, str]:
+    """A batch of due runs, as the scanner published them (runs to one target host)."""
+    return run_execute_many(run_ids=[int(i) for i in run_ids], worker=_worker(self))
 
 
 @shared_task(bind=True, name="runs.execute_run", ignore_result=True)
 def execute_run(self: Task, run_id: int) -> str:
-    # The worker's name in the run's timeline: Celery node, process, thread.
-    worker = f"{self.request.hostname or 'worker'}/{os.getpid()}/{threading.get_ident() % 100000}"
-    return run_execute(run_id=run_id, worker=worker)
+    """One run: messages published before batches existed still run."""
+    return run_execute_many(run_ids=[int(run_id)], worker=_worker(self))[int(run_id)]

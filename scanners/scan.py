@@ -19,8 +19,9 @@ from django.utils import timezone
 from jobs import schedule
 from jobs.models import Job
 from runs import claims, events
+from jobs.validators import target_host
 from runs.delivery import iso_z
-from runs.models import Run, RunEvent
+from runs.models import Run
 from runs.services import run_create
 
 logger = logging.getLogger("scheduler.scanner")
@@ -41,7 +42,8 @@ class ScanResult:
 
 
 def scan_once(*, partitions: list[int] | frozenset[int], now: datetime | None = None, publish: bool = True) -> ScanResult:
-    """Scan the given partitions once; publish what became queued."""
+    """Scan the given partitions once; publish what became queued, batch by batch,
+    each after its transaction commits."""
     now = now or timezone.now()
     parts = sorted(partitions)
     result = ScanResult()
@@ -50,15 +52,28 @@ def scan_once(*, partitions: list[int] | frozenset[int], now: datetime | None = 
     batch = settings.SCHEDULER_SCAN_BATCH
     with transaction.atomic():
         _recover(parts, now, batch, result)
-    while True:
+    if publish and (result.lease_expired or result.republished):
+        publish_runs(result.lease_expired + result.republished)
+    # Back-pressure: runs wait in the store, not in the broker (SCHEDULER_MAX_QUEUED).
+    room = settings.SCHEDULER_MAX_QUEUED - claims.count_queued(partitions=parts)
+    while room > 0:
+        limit = min(batch, room)
         with transaction.atomic():
-            due = list(claims.lock_due(partitions=parts, now=now, limit=batch).select_related("job"))
-            _queue_due(due, now, result)
-        if len(due) < batch:
+            due = list(claims.lock_due(partitions=parts, now=now, limit=limit).select_related("job").only(*DUE_FIELDS))
+            queued = _queue_due(due, now, result)
+        if publish and queued:
+            publish_runs([run.pk for run in queued], hosts={run.pk: target_host(run.job.target) for run in queued})
+        room -= len(queued)
+        if len(due) < limit:
             break
-    if publish and result.to_publish:
-        publish_runs(result.to_publish)
     return result
+
+
+# What the due read needs of a run and its job; a misfired run's job is read whole.
+DUE_FIELDS = (
+    "id", "job_id", "partition", "scheduled_for", "due_at", "status", "attempt", "is_backfill",
+    "job__id", "job__window_seconds", "job__target",
+)
 
 
 def _recover(parts: list[int], now: datetime, batch: int, result: ScanResult) -> None:
@@ -72,19 +87,24 @@ def _recover(parts: list[int], now: datetime, batch: int, result: ScanResult) ->
     result.lease_expired, result.republished = expired, stale
 
 
-def _queue_due(due: list[Run], now: datetime, result: ScanResult) -> None:
+def _queue_due(due: list[Run], now: datetime, result: ScanResult) -> list[Run]:
+    """Due runs to `queued` (or to their misfire policy); returns the queued ones."""
     grace = timedelta(seconds=settings.SCHEDULER_MISFIRE_GRACE)
     on_time: list[Run] = []
+    late_queued: list[Run] = []
     for run in due:
         if run.is_backfill or run.attempt > 0 or now <= _deadline(run, grace):
             on_time.append(run)
         else:
-            _misfire(run, now, result)
+            run.job = Job.objects.get(pk=run.job_id)  # the policy needs the whole job
+            if _misfire(run, now, result):
+                late_queued.append(run)
     ids = [run.pk for run in on_time]
     if ids:
         claims.mark_queued(run_ids=ids, now=now)
         events.record_many(events.event(i, "queued", now) for i in ids)
         result.queued.extend(ids)
+    return on_time + late_queued
 
 
 def _deadline(run: Run, grace: timedelta) -> datetime:
@@ -96,8 +116,9 @@ def _deadline(run: Run, grace: timedelta) -> datetime:
     )
 
 
-def _misfire(run: Run, now: datetime, result: ScanResult) -> None:
-    """A run found past its window plus the grace: the job's misfire policy decides."""
+def _misfire(run: Run, now: datetime, result: ScanResult) -> bool:
+    """A run found past its window plus the grace: the job's misfire policy decides.
+    True when the late run runs now (it is queued here)."""
     job = run.job
     missed: list[datetime] = []
     missed_count = 0
@@ -117,7 +138,7 @@ def _misfire(run: Run, now: datetime, result: ScanResult) -> None:
     )
     result.misfired += 1
     late_by = int((now - run.scheduled_for).total_seconds())
-    found: list[RunEvent] = [
+    found: list[events.Event] = [
         events.event(run.pk, "misfired", now, policy=job.misfire, late_by_s=late_by, other_missed_times=missed_count)
     ]
     if decision.run_late:
@@ -136,6 +157,7 @@ def _misfire(run: Run, now: datetime, result: ScanResult) -> None:
             events.record(run.pk, "next_run_created", now, run=nxt.public_id, scheduled_for=iso_z(nxt.scheduled_for))
         elif not job.is_recurring:
             Job.objects.filter(pk=job.pk).exclude(state=Job.State.DELETED).update(state=Job.State.COMPLETED)
+    return decision.run_late
 
 
 def _skip_times(job: Job, times: list[datetime], now: datetime, result: ScanResult) -> None:
@@ -163,11 +185,18 @@ def _skip_times(job: Job, times: list[datetime], now: datetime, result: ScanResu
     result.skipped += len(created)
 
 
-def publish_runs(run_ids: list[int]) -> None:
-    """All of a scan's runs onto the run queue over one broker connection."""
-    from runs.tasks import execute_run
+def publish_runs(run_ids: list[int], hosts: dict[int, str] | None = None) -> None:
+    """Runs onto the run queue over one broker connection, SCHEDULER_DISPATCH_BATCH
+    to a message, each message's runs to one target host where the host is known
+    (so one slow host's message does not carry another host's runs)."""
+    from runs.tasks import execute_runs
     from scheduler_project.celery import app
 
+    size = max(1, settings.SCHEDULER_DISPATCH_BATCH)
+    groups: dict[str, list[int]] = {}
+    for run_id in run_ids:
+        groups.setdefault((hosts or {}).get(run_id, ""), []).append(run_id)
     with app.producer_or_acquire() as producer:
-        for run_id in run_ids:
-            execute_run.apply_async((run_id,), producer=producer)
+        for ids in groups.values():
+            for start in range(0, len(ids), size):
+                execute_runs.apply_async((ids[start : start + size],), producer=producer)

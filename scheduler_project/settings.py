@@ -245,6 +245,13 @@ SCHEDULER_API_THROTTLE = env_str("SCHEDULER_API_THROTTLE", "600/min")
 SCHEDULER_TARGET_CONCURRENCY = env_int("SCHEDULER_TARGET_CONCURRENCY", 10)
 # A run over the bulkhead waits about this many seconds (jittered) before it tries again.
 SCHEDULER_BULKHEAD_WAIT = float(env_str("SCHEDULER_BULKHEAD_WAIT", "1") or 1)
+# Where the bulkhead's slots live: `redis` (default when the broker is Redis: one
+# round trip per batch) or `database` (rows in target_slots; the embedded default).
+SCHEDULER_BULKHEAD = env_str("SCHEDULER_BULKHEAD") or ("redis" if CELERY_BROKER_URL.startswith("redis") else "database")
+if SCHEDULER_BULKHEAD not in ("redis", "database"):
+    raise ImproperlyConfigured(f"SCHEDULER_BULKHEAD must be redis or database, not {SCHEDULER_BULKHEAD!r}")
+SCHEDULER_BULKHEAD_REDIS_URL = env_str("SCHEDULER_BULKHEAD_REDIS_URL") or CELERY_BROKER_URL
+SCHEDULER_BULKHEAD_PREFIX = env_str("SCHEDULER_BULKHEAD_PREFIX") or "scheduler:bulkhead:"
 # A target host's breaker opens after this many failed calls in a row, and lets one
 # probe through after the cooldown (seconds, jittered).
 SCHEDULER_BREAKER_FAILURES = env_int("SCHEDULER_BREAKER_FAILURES", 5)
@@ -257,6 +264,14 @@ SCHEDULER_MIN_INTERVAL = env_str("SCHEDULER_MIN_INTERVAL", "1m")
 # Ours: partitions are fixed for a deployment (a run's partition is stored on it).
 SCHEDULER_PARTITIONS = env_int("SCHEDULER_PARTITIONS", 16)
 SCHEDULER_SCAN_BATCH = env_int("SCHEDULER_SCAN_BATCH", 500)
+# Runs per run-queue message: a worker claims, calls and records them together.
+SCHEDULER_DISPATCH_BATCH = env_int("SCHEDULER_DISPATCH_BATCH", 50)
+# Calls one worker process keeps in flight at once (threads of its call pool).
+SCHEDULER_WORKER_CALLS = env_int("SCHEDULER_WORKER_CALLS", 64)
+# A scanner stops queueing while this many of its partitions' runs wait queued and
+# unclaimed: due runs stay `scheduled` in the store (the truth) instead of piling up
+# in the broker, where they would be published again after SCHEDULER_REQUEUE_AFTER.
+SCHEDULER_MAX_QUEUED = env_int("SCHEDULER_MAX_QUEUED", 5000)
 # A queued run no worker has claimed after this long is published again
 # (its message may have been lost: Redis keeps nothing on disk).
 SCHEDULER_REQUEUE_AFTER = env_int("SCHEDULER_REQUEUE_AFTER", 30)

@@ -26,6 +26,12 @@ def _counter(execute: Callable[..., Any], sql: str, params: Any, many: bool, con
     return execute(sql, params, many, context)
 
 
+def note() -> None:
+    """Count a statement that does not pass through Django's execute wrappers (COPY)."""
+    if os.environ.get("SCHEDULER_COUNT_STATEMENTS_DIR"):
+        _counter(lambda *args: None, "COPY", None, False, None)
+
+
 def _flush_forever() -> None:
     path = Path(os.environ["SCHEDULER_COUNT_STATEMENTS_DIR"]) / f"{os.getpid()}.json"
     while True:

@@ -28,6 +28,20 @@ class Service:
         return self.client.delete(path)
 
 
+@pytest.fixture(autouse=True)
+def _no_bulkhead_slots_left_over() -> Any:
+    """Bulkhead slots in Redis outlive a test's database; start each test without any."""
+    from django.conf import settings
+
+    if settings.SCHEDULER_BULKHEAD == "redis":
+        import redis
+
+        client = redis.Redis.from_url(settings.SCHEDULER_BULKHEAD_REDIS_URL)
+        for key in client.scan_iter(match=f"{settings.SCHEDULER_BULKHEAD_PREFIX}*"):
+            client.delete(key)
+    yield
+
+
 @pytest.fixture
 def service(db: None) -> Service:
     return Service("reports")

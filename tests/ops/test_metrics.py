@@ -94,22 +94,18 @@ def bulkhead_models() -> tuple[Any, Any]:
 
 @pytest.mark.django_db
 def test_breaker_state_and_bulkhead_use_show_per_host_on_metrics_and_the_system_page(operator_client: Any) -> None:
-    slots, breakers = bulkhead_models()
+    _, breakers = bulkhead_models()
     now = timezone.now()
     breakers.objects.create(
         host="down.test:8080", state="open", failures=5, opened_at=now, next_probe_at=now + timedelta(seconds=30)
     )
-    for slot in range(3):
-        slots.objects.create(
-            host="busy.test", slot=slot, holder=f"run_{slot}/w1", taken_at=now, expires_at=now + timedelta(seconds=60)
-        )
-    slots.objects.create(
-        host="busy.test",
-        slot=3,
-        holder="run_9/dead-worker",
-        taken_at=now - timedelta(minutes=5),
-        expires_at=now - timedelta(minutes=4),
-    )  # its worker died: not in flight
+    from runs import bulkhead
+
+    lease = timedelta(seconds=60)
+    # One holder took a slot five minutes ago and died: its lease ran out, not in flight.
+    assert bulkhead.take(host="busy.test", holder="run_9/dead-worker", now=now - timedelta(minutes=5), lease=lease)
+    taken = bulkhead.take_many(host="busy.test", holders=[f"run_{n}/w1" for n in range(3)], now=now, lease=lease)
+    assert len(taken) == 3
     found = samples(Client().get("/metrics").content.decode())
     assert found['scheduler_target_in_flight{host="busy.test"}'] == 3
     assert found['scheduler_target_breaker_state{host="down.test:8080",state="open"}'] == 1

@@ -32,7 +32,9 @@ def test_a_requeued_dead_run_keeps_its_key_and_fence_beside_the_jobs_open_run(ow
     assert ops.run_requeue_dead(run=dead, actor="olga")
     dead.refresh_from_db()
     assert dead.status == S.SCHEDULED and dead.is_backfill and not dead.held
-    assert dead.idempotency_key == key and dead.fence == fence and dead.attempt == 0
+    assert dead.idempotency_key == key and dead.fence == fence
+    # X-Attempt goes on rising; the retry policy counts from attempt_base.
+    assert dead.attempt == 4 and dead.attempt_base == 4
     assert dead.due_at <= timezone.now()
     # The job's own waiting run is untouched: two open runs, one of them extra.
     assert Run.objects.filter(job=job, status=S.SCHEDULED).count() == 2
@@ -69,7 +71,8 @@ def test_a_requeued_run_gets_a_higher_fence_and_the_same_key_on_its_next_call(ow
     assert run_execute(run_id=dead.pk, worker="w1") == "succeeded"
     [call] = target.calls("/flaky")
     assert call.headers["Idempotency-Key"] == dead.idempotency_key
-    assert call.headers["X-Fence-Token"] == "5" and call.headers["X-Attempt"] == "1"
+    # The fence and X-Attempt go on from the dead run's (4 calls): the fifth call.
+    assert call.headers["X-Fence-Token"] == "5" and call.headers["X-Attempt"] == "5"
     assert types(dead)[-4:] == ["requeued", "claimed", "target_answered", "succeeded"]
     # An extra run creates no next run: the job still has exactly one waiting run of its own.
     assert Run.objects.filter(job=job, status=S.SCHEDULED, is_backfill=False).count() == 1

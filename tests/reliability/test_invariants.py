@@ -77,8 +77,11 @@ def test_a_late_write_after_the_scanner_took_the_lease_back_is_refused_in_order(
     assert timeline_violations("succeeded", timeline(*steps)) == []
 
 
-def test_a_dead_run_requeued_by_an_operator_starts_its_attempts_again_with_a_higher_fence() -> None:
+def test_a_dead_run_requeued_by_an_operator_goes_on_counting_attempts_with_a_higher_fence() -> None:
     steps = [("claimed", {"fence": 1, "attempt": 1}), ("dead", {"fence": 1}),
-             ("requeued", {"previous_attempts": 1}), ("queued", {}), ("claimed", {"fence": 2, "attempt": 1}),
+             ("requeued", {"previous_attempts": 1}), ("queued", {}), ("claimed", {"fence": 2, "attempt": 2}),
              ("succeeded", {"fence": 2})]
     assert timeline_violations("succeeded", timeline(*steps)) == []
+    # Counting again from 1 after a requeue would make X-Attempt go back: caught.
+    restarted = [*steps[:4], ("claimed", {"fence": 2, "attempt": 1}), ("succeeded", {"fence": 2})]
+    assert any("attempt 1 after attempt 1" in p for p in timeline_violations("succeeded", timeline(*restarted)))

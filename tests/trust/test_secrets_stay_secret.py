@@ -79,7 +79,7 @@ def test_a_secret_header_reaches_its_target_and_appears_nowhere_else(
     run = Run.objects.get(job__name="renamed", status=Run.Status.SCHEDULED)
     Run.objects.filter(pk=run.pk).update(status=Run.Status.QUEUED, queued_at=timezone.now(), due_at=timezone.now())
     assert run_execute(run_id=run.pk) == "succeeded"
-    delivery.session().close()
+    delivery.close_connections()
 
     [call] = target.calls("/hook")
     assert call.headers["Authorization"] == "Bearer s3cret" and call.headers["X-Api-Key"] == "s3cret-too"

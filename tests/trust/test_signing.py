@@ -290,7 +290,7 @@ def test_a_real_call_from_the_scheduler_passes_a_receiver_that_verifies(live_ser
     assert "HTTP 401" in bad.last_error and "does not match" in bad.last_error
     # The worker's pooled connection keeps the live server's request thread, and its
     # database connection, open: close it so the test database can be dropped.
-    delivery.session().close()
+    delivery.close_connections()
 
 
 def test_a_timestamp_far_from_now_is_refused_even_with_the_right_secret() -> None:
