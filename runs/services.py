@@ -9,6 +9,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -301,15 +302,21 @@ def _prepare(calls: list[Call]) -> None:
 
 # How long recent calls to each host took (ms, a moving average, this process).
 _recent_ms: dict[str, float] = {}
-QUICK_MS = 5.0  # a host this quick is called in turn: a thread hand-off would cost more
+QUICK_MS = 20.0  # a host this quick is called in turn: a thread hand-off costs more than it saves
+IN_TURN_FOR = 0.05  # seconds: the longest a batch calls in turn before the rest go side by side
 
 
 def _call_all(calls: list[Call], hosts: dict[int, str]) -> None:
     """The batch's calls: side by side on the worker process's call pool; or, for
     a host that has been answering within QUICK_MS, one after another on this
-    thread, until one of them is slow, when the rest go to the pool."""
+    thread, for at most IN_TURN_FOR seconds (or until one is slow), and the rest
+    side by side."""
     rest = list(calls)
-    while rest and (len(rest) == 1 or _recent_ms.get(hosts[rest[0].run.pk], 1e9) <= QUICK_MS):
+    started = time.monotonic()
+    while rest and (
+        len(rest) == 1
+        or (_recent_ms.get(hosts[rest[0].run.pk], 1e9) <= QUICK_MS and time.monotonic() - started < IN_TURN_FOR)
+    ):
         call = rest.pop(0)
         call.result = delivery.call(call.request, timeout_seconds=call.run.job.timeout_seconds)  # type: ignore[arg-type]
         _note_duration(hosts[call.run.pk], call.result)
