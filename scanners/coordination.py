@@ -164,7 +164,7 @@ class PartitionLock(Lock):
                                  sleep_func=client.handler.sleep_func)
 
 
-def _side_by_side(call: Callable[[int], Any], items: list[int]) -> list[Any]:
+def _side_by_side(call: Callable[[Any], Any], items: list[Any]) -> list[Any]:
     """call(item) for each item on a few threads at once; the results in order.
     The first exception is raised once all calls ended."""
     if len(items) <= 1:
@@ -508,9 +508,11 @@ class ZooKeeperLeases:
         if client is None or self._stopping:
             return
         epoch = self._epoch
-        for path in (self._members_path, self._owners_path,
-                     *(f"{self._locks_path}/{p}" for p in self._set)):
+        for path in (self._members_path, self._owners_path, self._locks_path):
             client.ensure_path(path)
+        # After a ZooKeeper that lost its state, every lock path is made again:
+        # side by side, as the writes share the server's log syncs.
+        _side_by_side(client.ensure_path, [f"{self._locks_path}/{p}" for p in self._set])
         self._watch_gen += 1
         gen = self._watch_gen
         # Each calls its function once now (filling what we know) and then on
