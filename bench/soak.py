@@ -376,12 +376,16 @@ class Soak:
         name = random.choice([n for n in names if self._owned_now(n)] or names)
         proc = self.fleet.procs[name]
         owned = self._owned_now(name)
+        # Whether another scanner was scanning at the time: if none was (each still starting, or
+        # still rejoining after a ZooKeeper restart), the handover waits for that too.
+        survivor = any(self._owned_now(n) for n in names if n != name)
         at = time.time()
         proc.kill()
-        self.scanner_deaths.append({"at": at, "name": name, "generation": proc.generation, "owned": sorted(owned)})
+        self.scanner_deaths.append({"at": at, "name": name, "generation": proc.generation, "owned": sorted(owned),
+                                    "survivor_scanning": survivor})
         time.sleep(random.uniform(1, 3))
         self.fleet.start(name)
-        return {"scanner": name, "owned": sorted(owned)}
+        return {"scanner": name, "owned": sorted(owned), "survivor_scanning": survivor}
 
     def fault_duplicate_delivery(self) -> dict[str, Any]:
         from runs.models import Run
@@ -551,7 +555,8 @@ class Soak:
             "worker_death_to_run_claimed_s": _stats(worker["worker_kill"]),
             "worker_frozen_to_run_claimed_s": _stats(worker["worker_stop"]),
             "runs_held_by_breaker_or_bulkhead_meanwhile": len(worker["worker_kill_held"] + worker["worker_stop_held"]),
-            "scanner_death_to_partitions_scanned_s": _stats(self._scanner_handovers()),
+            "scanner_death_to_partitions_scanned_s": _stats(self._scanner_handovers(survivor_scanning=True)),
+            "scanner_death_without_a_scanning_survivor_s": _stats(self._scanner_handovers(survivor_scanning=False)),
             "zookeeper_restart_to_all_partitions_scanned_s": _stats(self._zk_handovers()),
         }
 
@@ -582,10 +587,10 @@ class Soak:
                 return at
         return None
 
-    def _scanner_handovers(self) -> list[float]:
+    def _scanner_handovers(self, survivor_scanning: bool) -> list[float]:
         times = []
         for death in self.scanner_deaths:
-            if death["owned"]:
+            if death["owned"] and death["survivor_scanning"] == survivor_scanning:
                 at = self._covered_at(death["at"], set(death["owned"]))
                 if at is not None:
                     times.append(at - death["at"])
@@ -709,6 +714,7 @@ def table(report: dict[str, Any], args: argparse.Namespace) -> str:
         ("handover: worker killed -> run claimed again", span(h["worker_death_to_run_claimed_s"])),
         ("handover: worker frozen -> run claimed again", span(h["worker_frozen_to_run_claimed_s"])),
         ("handover: scanner killed -> its partitions scanned", span(h["scanner_death_to_partitions_scanned_s"])),
+        ("  killed while no other scanner was scanning", span(h["scanner_death_without_a_scanning_survivor_s"])),
         ("handover: ZooKeeper restart -> all partitions scanned", span(h["zookeeper_restart_to_all_partitions_scanned_s"])),
     ]
     width = max(len(k) for k, _ in rows)
