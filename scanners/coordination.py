@@ -454,11 +454,15 @@ class ZooKeeperLeases:
 
     def _run_steps(self, step: Callable[[], None] | None) -> None:
         """Run `step`, then whatever follows it (join, watch, take, publish) without
-        waiting for a poll; a bounded chain, ended by the first failure."""
+        waiting for a poll; a bounded chain, ended by the first failure. Then wake
+        the scanner loop if what it would scan changed (only then: a step that
+        keeps changing nothing must not spin the loop)."""
         for _ in range(8):
             if step is None or not self._run_step(step):
-                return
+                break
             step = self._next_step(from_poll=False)
+        if self._owned_now() != self._owned:
+            self._wake.set()
 
     def _run_step(self, step: Callable[[], None]) -> bool:
         try:
@@ -470,7 +474,6 @@ class ZooKeeperLeases:
         except Exception:
             logger.exception("scanner %s: ZooKeeper step failed", self.identifier)
             return False
-        self._wake.set()  # the scan need not wait for the next turn to use what changed
         return True
 
     def _join_task(self, timeout: float) -> None:
