@@ -26,6 +26,7 @@ import fcntl
 import json
 import logging
 import os
+import random
 import socket
 import threading
 import time
@@ -420,7 +421,9 @@ class ZooKeeperLeases:
         if len(self._held) < share:
             free = [p for p in self._set if p not in self._held and not self._lock_children.get(p, [None])]
             if free:
-                wanted = free[: share - len(self._held)]
+                # In a random order: members taking at the same moment (a dead one's
+                # partitions freed at once) then seldom try the same ones.
+                wanted = random.sample(free, min(len(free), share - len(self._held)))
                 return lambda: self._acquire(wanted)
         owned = self._owned_now()
         if session is not None and self._published != (session, owned):
@@ -533,8 +536,7 @@ class ZooKeeperLeases:
         The tries run side by side: each lock node is a write the server syncs
         to its log, and concurrent writes share a sync, so a dead member's
         share is taken in about the time of one write rather than one each."""
-        if self._stopping or not self._joined():
-            return
+        client = self._client
         locks = self._locks
 
         def take(p: int) -> bool:
@@ -544,11 +546,25 @@ class ZooKeeperLeases:
                 logger.warning("scanner %s: taking partition %s: %r", self.identifier, p, exc)
                 return False
 
-        results = _side_by_side(take, wanted)
-        taken = [p for p, got in zip(wanted, results) if got]
-        self._held.update(taken)
+        taken: list[int] = []
+        for _ in range(3):
+            if client is None or self._stopping or not self._joined() or not wanted:
+                break
+            results = _side_by_side(take, wanted)
+            got = [p for p, ok in zip(wanted, results) if ok]
+            self._held.update(got)
+            taken += got
+            room = self._share() - len(self._held)
+            if room <= 0 or len(got) == len(wanted):
+                break
+            # Some went to another member trying at the same moment: see what is
+            # still free now, read afresh (the watches lag behind our own tries).
+            others = [p for p in self._set if p not in self._held]
+            children = _side_by_side(lambda p: client.get_children(f"{self._locks_path}/{p}"), others)
+            free = [p for p, kids in zip(others, children) if not kids]
+            wanted = random.sample(free, min(len(free), room))
         if taken:
-            logger.info("scanner %s took partitions %s", self.identifier, taken)
+            logger.info("scanner %s took partitions %s", self.identifier, sorted(taken))
 
     def _release(self, partitions: list[int]) -> None:
         locks = self._locks
