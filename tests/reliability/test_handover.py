@@ -1,7 +1,7 @@
 """Scanner handover with real `manage.py scanner` processes on the real ZooKeeper:
 a scanner killed (kill -9) to the moment the survivor scans all of its partitions,
 within the ZooKeeper session timeout plus one scan interval; a scanner stopped
-cleanly, within one scan interval.
+cleanly, without waiting for its session to expire.
 
 The times are read from the survivor's own `partitions [...] at <unix time>` lines,
 which `manage.py scanner` prints just before it scans a changed set.
