@@ -22,8 +22,11 @@ Then every process is healed, the soak waits --settle seconds, and measures: run
 (by the measurement minus --margin), started, succeeded, dead (why), missed (due
 but never started), effects the target applied twice, stale writes rejected, the
 invariants of runs/invariants.py, lateness past the window, each fault's count,
-and the handover times. It prints one table, writes a JSON summary, and exits 1
-if a run was missed, an effect applied twice, or an invariant broken.
+and the handover times. Duplicate effects are counted from both sides: effects
+the target applied twice (its own records), and runs the store records as
+applied under two fences (recorded_applied_twice). It prints one table, writes a
+JSON summary, and exits 1 if a run was missed, an effect was applied twice (by
+either count), or an invariant broken.
 
 Bounded: it stops by itself (an alarm ends it after duration + settle + 10 minutes
 whatever happens), and everything it starts it stops, by process id.
@@ -49,12 +52,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.soak_stack import ROOT, Databases, Fleet, PrivateRedis, Target, ZooKeeper  # noqa: E402
+from bench.soak_stack import ROOT, ZK_TICK_S, Databases, Fleet, PrivateRedis, Target, ZooKeeper  # noqa: E402
 
 KINDS = ("worker_kill", "worker_stop", "scanner_kill", "redis_flush", "zk_restart", "pg_terminate",
          "target_slow", "target_errors", "duplicate_delivery")
 PARTITION_LINE = re.compile(r"^partitions \[([\d, ]*)\] at ([\d.]+)\s*$", re.M)
 DEFERRALS = ("bulkhead_wait", "held_by_breaker")
+# The events recorded_applied_twice reads.
+APPLIED_EVIDENCE = ("claimed", "succeeded", "target_answered")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -73,7 +78,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--scan-interval", type=float, default=0.5)
     p.add_argument("--requeue-after", type=int, default=5)
     p.add_argument("--zk-session", type=float, default=4)
-    p.add_argument("--zk-boundary", type=float, default=1)
+    p.add_argument("--zk-boundary", type=float, default=None,
+                   help="ignored: the coordinator no longer waits for membership to settle (kept for old scripts)")
     p.add_argument("--target-concurrency", type=int, default=3)
     p.add_argument("--breaker-failures", type=int, default=5)
     p.add_argument("--breaker-cooldown", type=int, default=5)
@@ -86,6 +92,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--inject-bug", action="store_true",
                    help="turn on the deliberate fence bug (runs/claims.py) in the workers: the soak must fail")
     p.add_argument("--stop-on-violation", action="store_true", help="end the faults early once an invariant breaks")
+    p.add_argument("--stop-on-duplicate", action="store_true",
+                   help="end the faults early once a duplicate effect is found (either count)")
     return p.parse_args(argv)
 
 
@@ -138,7 +146,6 @@ class Soak:
             "SCHEDULER_SCAN_INTERVAL": str(a.scan_interval),
             "SCHEDULER_REQUEUE_AFTER": str(a.requeue_after),
             "SCHEDULER_ZK_SESSION_TIMEOUT": str(a.zk_session),
-            "SCHEDULER_ZK_TIME_BOUNDARY": str(a.zk_boundary),
             "SCHEDULER_TARGET_CONCURRENCY": str(a.target_concurrency),
             "SCHEDULER_BREAKER_FAILURES": str(a.breaker_failures),
             "SCHEDULER_BREAKER_COOLDOWN": str(a.breaker_cooldown),
@@ -276,9 +283,10 @@ class Soak:
         for offset, kind in plan:
             while time.time() < self.started + offset:
                 time.sleep(0.2)
-                if self.args.stop_on_violation and time.time() - last_check > 5:
+                if (self.args.stop_on_violation or self.args.stop_on_duplicate) and time.time() - last_check > 2:
                     last_check = time.time()
-                    if self._violations_now():
+                    if (self.args.stop_on_violation and self._violations_now()) or \
+                            (self.args.stop_on_duplicate and self._duplicates_now()):
                         return
             at = time.time()
             try:
@@ -300,6 +308,20 @@ class Soak:
             self.stopped_early = found[0]
             print(f"stopping early: {found[0]}", flush=True)
         return bool(found)
+
+    def _duplicates_now(self) -> bool:
+        from runs.models import RunEvent
+
+        timeline: dict[int, list[tuple[datetime, str, dict[str, Any]]]] = defaultdict(list)
+        for run_id, at, type_, detail in RunEvent.objects.filter(type__in=APPLIED_EVIDENCE).order_by("id") \
+                .values_list("run_id", "at", "type", "detail"):
+            timeline[run_id].append((at, type_, detail or {}))
+        found = recorded_applied_twice(timeline)
+        twice = self.dbs.target_rows("SELECT key FROM soak_effects GROUP BY key HAVING count(*) > 1")
+        if found or twice:
+            self.stopped_early = found[0] if found else f"{twice[0][0]} applied twice at the target"
+            print(f"stopping early: {self.stopped_early}", flush=True)
+        return bool(found or twice)
 
     def _worker_mid_call(self) -> tuple[str, list[tuple[int, int]]]:
         """A worker with a call in flight (waiting up to 5 s for one), and its runs."""
@@ -354,12 +376,16 @@ class Soak:
         name = random.choice([n for n in names if self._owned_now(n)] or names)
         proc = self.fleet.procs[name]
         owned = self._owned_now(name)
+        # Whether another scanner was scanning at the time: if none was (each still starting, or
+        # still rejoining after a ZooKeeper restart), the handover waits for that too.
+        survivor = any(self._owned_now(n) for n in names if n != name)
         at = time.time()
         proc.kill()
-        self.scanner_deaths.append({"at": at, "name": name, "generation": proc.generation, "owned": sorted(owned)})
+        self.scanner_deaths.append({"at": at, "name": name, "generation": proc.generation, "owned": sorted(owned),
+                                    "survivor_scanning": survivor})
         time.sleep(random.uniform(1, 3))
         self.fleet.start(name)
-        return {"scanner": name, "owned": sorted(owned)}
+        return {"scanner": name, "owned": sorted(owned), "survivor_scanning": survivor}
 
     def fault_duplicate_delivery(self) -> dict[str, Any]:
         from runs.models import Run
@@ -469,6 +495,7 @@ class Soak:
         applied = [invariants.Applied(key, fence) for key, fence in self.dbs.target_rows("SELECT key, fence FROM soak_effects")]
         calls = dict(self.dbs.target_rows("SELECT outcome, count(*) FROM soak_calls GROUP BY outcome"))
         twice = invariants.effects_applied_once(applied)
+        recorded_twice = recorded_applied_twice(timeline)
         violations = {
             "one open run per job": invariants.one_open_run_per_job(),
             "timelines in order": invariants.timelines(),
@@ -491,6 +518,7 @@ class Soak:
             "open_at_end": sum(status[s] for s in Run.OPEN),
             "missed": len(missed), "missed_runs": missed[:50],
             "effects_applied": len(applied), "effects_applied_twice": len(twice), "applied_twice": twice[:50],
+            "recorded_applied_twice": len(recorded_twice), "recorded_twice": recorded_twice[:50],
             "calls": calls,
             "stale_writes_rejected": event_counts["stale_write_rejected"],
             "misfired": event_counts["misfired"],
@@ -505,8 +533,8 @@ class Soak:
             "handover": self.handovers(timeline),
         }
         report["unexpected_exits"] = self.unexpected_exits
-        report["ok"] = not (report["missed"] or report["effects_applied_twice"] or report["invariant_violations"]
-                            or self.unexpected_exits)
+        report["ok"] = not (report["missed"] or report["effects_applied_twice"] or report["recorded_applied_twice"]
+                            or report["invariant_violations"] or self.unexpected_exits)
         return report
 
     # ----------------------------------------------------------------- handovers
@@ -527,7 +555,8 @@ class Soak:
             "worker_death_to_run_claimed_s": _stats(worker["worker_kill"]),
             "worker_frozen_to_run_claimed_s": _stats(worker["worker_stop"]),
             "runs_held_by_breaker_or_bulkhead_meanwhile": len(worker["worker_kill_held"] + worker["worker_stop_held"]),
-            "scanner_death_to_partitions_scanned_s": _stats(self._scanner_handovers()),
+            "scanner_death_to_partitions_scanned_s": _stats(self._scanner_handovers(survivor_scanning=True)),
+            "scanner_death_without_a_scanning_survivor_s": _stats(self._scanner_handovers(survivor_scanning=False)),
             "zookeeper_restart_to_all_partitions_scanned_s": _stats(self._zk_handovers()),
         }
 
@@ -558,10 +587,10 @@ class Soak:
                 return at
         return None
 
-    def _scanner_handovers(self) -> list[float]:
+    def _scanner_handovers(self, survivor_scanning: bool) -> list[float]:
         times = []
         for death in self.scanner_deaths:
-            if death["owned"]:
+            if death["owned"] and death["survivor_scanning"] == survivor_scanning:
                 at = self._covered_at(death["at"], set(death["owned"]))
                 if at is not None:
                     times.append(at - death["at"])
@@ -577,6 +606,31 @@ class Soak:
             if at is not None:
                 times.append(at - stopped)
         return times
+
+
+def recorded_applied_twice(timeline: dict[int, list[tuple[datetime, str, dict[str, Any]]]]) -> list[str]:
+    """Runs the store records as applied under two different fences: the scheduler's
+    side of "effects applied twice", whatever the target did with the calls.
+
+    A fence is recorded as applied when the store took a success under it (a
+    `succeeded` event), or when the holder of the run's latest claim got a 2xx
+    (`target_answered`): the current holder's success is one the store must take.
+    A correct store has at most one such fence per run: it takes a success only
+    from the holder of the latest claim, and a run that succeeded is never claimed
+    again. A superseded holder's 2xx (its call landed, or was replayed, before its
+    lease was taken over) is refused and does not count. Events in id order."""
+    found = []
+    for run_id, events in timeline.items():
+        claims = [d["fence"] for _, t, d in events if t == "claimed" and isinstance(d.get("fence"), int)]
+        latest = max(claims, default=None)
+        fences = {d["fence"] for _, t, d in events if t == "succeeded" and isinstance(d.get("fence"), int)}
+        fences |= {d["fence"] for _, t, d in events if t == "target_answered" and latest is not None
+                   and d.get("fence") == latest and isinstance(d.get("status"), int) and 200 <= d["status"] < 300}
+        if len(fences) > 1:
+            succeeded = sorted(d.get("fence") for _, t, d in events if t == "succeeded")
+            found.append(f"run_{run_id} recorded as applied under fences {sorted(fences)} "
+                         f"(succeeded under {succeeded}, latest claim {latest})")
+    return found
 
 
 def _hit(kind: str, detail: dict[str, Any]) -> bool:
@@ -640,7 +694,8 @@ def table(report: dict[str, Any], args: argparse.Namespace) -> str:
         *[(f"  dead: {why}", n) for why, n in sorted(report["dead_reasons"].items())],
         ("still open (retrying or running)", report["open_at_end"]),
         ("missed (due, never started)", report["missed"]),
-        ("effects applied twice", report["effects_applied_twice"]),
+        ("effects applied twice at the target", report["effects_applied_twice"]),
+        ("runs recorded as applied under two fences", report["recorded_applied_twice"]),
         ("effects applied", report["effects_applied"]),
         ("target calls", ", ".join(f"{k} {v}" for k, v in sorted(report["calls"].items()))),
         ("stale writes rejected", report["stale_writes_rejected"]),
@@ -659,12 +714,13 @@ def table(report: dict[str, Any], args: argparse.Namespace) -> str:
         ("handover: worker killed -> run claimed again", span(h["worker_death_to_run_claimed_s"])),
         ("handover: worker frozen -> run claimed again", span(h["worker_frozen_to_run_claimed_s"])),
         ("handover: scanner killed -> its partitions scanned", span(h["scanner_death_to_partitions_scanned_s"])),
+        ("  killed while no other scanner was scanning", span(h["scanner_death_without_a_scanning_survivor_s"])),
         ("handover: ZooKeeper restart -> all partitions scanned", span(h["zookeeper_restart_to_all_partitions_scanned_s"])),
     ]
     width = max(len(k) for k, _ in rows)
     head = (f"soak: {args.duration:g} s of faults + {args.settle:g} s settle, lease {args.lease} s, scan "
             f"{args.scan_interval:g} s, requeue after {args.requeue_after} s, ZooKeeper session {args.zk_session:g} s"
-            f" + boundary {args.zk_boundary:g} s, {args.scanners} scanners, {args.workers} workers x {args.concurrency}"
+            f" (tick {ZK_TICK_S:g} s), {args.scanners} scanners, {args.workers} workers x {args.concurrency}"
             + (", DELIBERATE FENCE BUG ON" if args.inject_bug else ""))
     lines = [head, "-" * len(head)] + [f"{k:<{width}}  {v}" for k, v in rows]
     lines.append(f"{'result':<{width}}  {'PASS' if report['ok'] else 'FAIL'}")
@@ -701,7 +757,9 @@ def main(argv: list[str]) -> int:
     if report["missed_runs"]:
         print("\nmissed:\n  " + "\n  ".join(report["missed_runs"][:10]))
     if report["applied_twice"]:
-        print("\napplied twice:\n  " + "\n  ".join(report["applied_twice"][:10]))
+        print("\napplied twice at the target:\n  " + "\n  ".join(report["applied_twice"][:10]))
+    if report["recorded_twice"]:
+        print("\nrecorded as applied under two fences:\n  " + "\n  ".join(report["recorded_twice"][:10]))
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -21,6 +22,8 @@ import psycopg
 from bench.harness import PY, ROOT, free_port, wait_for
 
 ZK_SCRIPT = ROOT / "scripts" / "zookeeper.sh"
+# scripts/zookeeper.sh's tickTime, for the report: the server expires sessions on its ticks.
+ZK_TICK_S = int(re.search(r"tickTime=(\d+)", ZK_SCRIPT.read_text()).group(1)) / 1000  # type: ignore[union-attr]
 # The target's own records (bench/soak_target.py): every applied effect, every call.
 TARGET_SCHEMA = """
 CREATE TABLE IF NOT EXISTS soak_effects (

@@ -277,6 +277,8 @@ SCHEDULER_MAX_QUEUED = env_int("SCHEDULER_MAX_QUEUED", 5000)
 SCHEDULER_REQUEUE_AFTER = env_int("SCHEDULER_REQUEUE_AFTER", 30)
 SCHEDULER_ZK_ROOT = env_str("SCHEDULER_ZK_ROOT", "/scheduler")
 SCHEDULER_ZK_SESSION_TIMEOUT = float(env_str("SCHEDULER_ZK_SESSION_TIMEOUT", "10") or 10)
+# Accepted and ignored: the coordinator no longer waits for the membership to
+# settle (scanners/coordination.py); kept so old environments still start.
 SCHEDULER_ZK_TIME_BOUNDARY = float(env_str("SCHEDULER_ZK_TIME_BOUNDARY", "2") or 2)
 SCHEDULER_BACKFILL_MAX_RUNS = env_int("SCHEDULER_BACKFILL_MAX_RUNS", 10000)
 SCHEDULER_MISFIRE_MAX_SKIPPED = env_int("SCHEDULER_MISFIRE_MAX_SKIPPED", 1000)

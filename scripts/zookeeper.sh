@@ -43,7 +43,12 @@ start() {
   fi
   stop
   rm -rf "$ZK_DIR/data"; mkdir -p "$ZK_DIR/data"
-  printf 'tickTime=2000\ndataDir=%s/data\nclientPort=%s\nclientPortAddress=127.0.0.1\nmaxClientCnxns=0\nadmin.enableServer=false\n4lw.commands.whitelist=ruok,srvr,stat,mntr\n' \
+  # ZooKeeper expires a session only on a tick boundary, so a dead member's
+  # session ends between the timeout and the timeout plus one tick: a short
+  # tick keeps scanner handover close to the session timeout. The session
+  # bounds must be explicit: by default they are 2 and 20 ticks (0.4 s, 4 s),
+  # which would cut a 10 s session down to 4 s.
+  printf 'tickTime=200\nminSessionTimeout=400\nmaxSessionTimeout=60000\ndataDir=%s/data\nclientPort=%s\nclientPortAddress=127.0.0.1\nmaxClientCnxns=0\nadmin.enableServer=false\n4lw.commands.whitelist=ruok,srvr,stat,mntr,conf\n' \
     "$ZK_DIR" "$ZK_PORT" >"$ZK_DIR/zoo.cfg"
   local cp=$JAR
   [ -f /usr/share/java/slf4j-simple.jar ] && cp="$cp:/usr/share/java/slf4j-simple.jar"

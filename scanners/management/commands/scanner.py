@@ -26,9 +26,14 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, once: bool, identifier: str | None, **options: Any) -> None:
         self.stopping = threading.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self.stopping.set())
         leases = make_leases(identifier)
+
+        def stop(*_: Any) -> None:
+            self.stopping.set()
+            leases.wake()  # out of its wait() at once
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, stop)
         leases.start()
         self.stdout.write(f"scanner {leases.identifier} started ({leases.describe()['kind']} coordinator)")
         self.stdout.flush()
@@ -39,7 +44,10 @@ class Command(BaseCommand):
                 owned = self.handle_one(leases, owned)
                 if once:
                     break
-                self.stopping.wait(max(0.0, settings.SCHEDULER_SCAN_INTERVAL - (time.monotonic() - started)))
+                # Until the next turn, or sooner when the coordinator saw a change
+                # (a member left, a partition's lock was freed): a partition just
+                # taken is scanned at once, not a scan interval later.
+                leases.wait(settings.SCHEDULER_SCAN_INTERVAL - (time.monotonic() - started))
         finally:
             leases.stop()
             self.stdout.write(f"scanner {leases.identifier} stopped")
