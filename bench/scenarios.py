@@ -17,12 +17,13 @@ UTC = timezone.utc
 
 
 def add_layout_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", type=int, default=2, help="worker processes")
-    parser.add_argument("--concurrency", type=int, default=8, help="per worker process")
-    parser.add_argument("--pool", default="threads", choices=["prefork", "threads", "solo"])
+    # Chosen by measurement (docs/performance.md): one prefork worker with two children.
+    parser.add_argument("--workers", type=int, default=1, help="worker processes (celery worker commands)")
+    parser.add_argument("--concurrency", type=int, default=2, help="per worker (children for prefork)")
+    parser.add_argument("--pool", default="prefork", choices=["prefork", "threads", "solo"])
     parser.add_argument("--scanners", type=int, default=1)
     parser.add_argument("--scan-interval", default="0.2")
-    parser.add_argument("--batch", type=int, default=50, help="runs per run-queue message (SCHEDULER_DISPATCH_BATCH)")
+    parser.add_argument("--batch", type=int, default=200, help="runs per run-queue message (SCHEDULER_DISPATCH_BATCH)")
     parser.add_argument("--calls", type=int, default=64, help="calls in flight per worker process (SCHEDULER_WORKER_CALLS)")
 
 

@@ -73,7 +73,11 @@ class Run(models.Model):
                 name="runs_lease_idx",
             ),
             models.Index(fields=["status", "-id"], name="runs_status_idx"),
-            models.Index(fields=["finished_at"], name="runs_finished_idx"),
+            # prune_runs and the lag figures read finished runs only: open runs (and
+            # their three updates each on the way to done) stay out of this index.
+            models.Index(
+                fields=["finished_at"], condition=models.Q(finished_at__isnull=False), name="runs_finished_idx"
+            ),
         ]
 
     def __str__(self) -> str:

@@ -303,7 +303,7 @@ def _prepare(calls: list[Call]) -> None:
 # How long recent calls to each host took (ms, a moving average, this process).
 _recent_ms: dict[str, float] = {}
 QUICK_MS = 20.0  # a host this quick is called in turn: a thread hand-off costs more than it saves
-IN_TURN_FOR = 0.05  # seconds: the longest a batch calls in turn before the rest go side by side
+IN_TURN_FOR = 0.1  # seconds: the longest a batch calls in turn before the rest go side by side
 
 
 def _call_all(calls: list[Call], hosts: dict[int, str]) -> None:
@@ -391,28 +391,30 @@ def _decide(call: Call, now: datetime) -> tuple[claims.Outcome, str]:
 
 def run_record_outcomes(calls: list[Call]) -> dict[int, str]:
     """One transaction for a batch: each outcome under its fence, the events, and
-    the next run of every run that ended (or the retry, as a row)."""
+    the next run of every run that ended (or the retry, as a row). An ended run's
+    `succeeded` or `dead` event names its job's next run (`next_run`)."""
     if not calls:
         return {}
     now = timezone.now()
     decided = [(call, *_decide(call, now)) for call in calls]
-    outcomes: dict[int, str] = {}
-    found: list[events.Event] = []
-    ended: list[Run] = []
     with transaction.atomic():
         landed = claims.record_outcomes([outcome for _, outcome, _ in decided])
+        ended = [c.run for c, o, _ in decided if c.run.pk in landed and o.status != S.SCHEDULED]
+        found, following = _next_runs([r for r in ended if not r.is_backfill], now)
+        outcomes: dict[int, str] = {}
         for call, outcome, reason in decided:
             run, claim = call.run, call.claim
             if call.result is not None:
                 found.append(_answered_event(run, claim, call.result, now))
+            nxt = following.get(run.pk)
+            then = {"next_run": nxt.public_id, "next_scheduled_for": delivery.iso_z(nxt.scheduled_for)} if nxt else {}
             if run.pk not in landed:
                 # The lease was taken over: the store refuses this holder's outcome.
                 found.append(events.event(run.pk, "stale_write_rejected", now, fence=claim.fence, worker=claim.worker))
                 logger.warning("run %s: stale write from fence %s refused", run.public_id, claim.fence)
                 outcomes[run.pk] = "stale_write_rejected"
             elif outcome.status == S.SUCCEEDED:
-                found.append(events.event(run.pk, "succeeded", now, fence=claim.fence))
-                ended.append(run)
+                found.append(events.event(run.pk, "succeeded", now, fence=claim.fence, **then))
                 outcomes[run.pk] = "succeeded"
             elif outcome.status == S.SCHEDULED:
                 found.append(events.event(run.pk, "retry_scheduled", now, due_at=delivery.iso_z(outcome.due_at),
@@ -420,19 +422,18 @@ def run_record_outcomes(calls: list[Call]) -> dict[int, str]:
                 outcomes[run.pk] = "retry_scheduled"
             else:
                 recipient = run.job.notify or run.job.owner.email
-                found.append(events.event(run.pk, "dead", now, reason=reason, notified=recipient, fence=claim.fence))
-                ended.append(run)
+                found.append(events.event(run.pk, "dead", now, reason=reason, notified=recipient, fence=claim.fence,
+                                          **then))
                 outcomes[run.pk] = "dead"
                 transaction.on_commit(lambda pk=run.pk, why=reason: notify_dead(run_id=pk, reason=why))
-        found += _next_runs([r for r in ended if not r.is_backfill], now)
         events.record_many(found)
     return outcomes
 
 
-def _next_runs(ended: list[Run], now: datetime) -> list[events.Event]:
+def _next_runs(ended: list[Run], now: datetime) -> tuple[list[events.Event], dict[int, Run]]:
     """The next run of each job whose run ended, created together (backfills are
-    extra runs: the job's own timetable goes on without them). Returns the
-    events to record: each new run's `scheduled`, each ended run's `next_run_created`."""
+    extra runs: the job's own timetable goes on without them). Returns each new
+    run's `scheduled` event, and the new run by the ended run's id."""
     jobs = {run.job_id: run.job for run in ended if run.job.state != Job.State.DELETED}
     one_offs = [pk for pk, job in jobs.items() if not job.is_recurring]
     if one_offs:
@@ -441,7 +442,7 @@ def _next_runs(ended: list[Run], now: datetime) -> list[events.Event]:
         )
     recurring = {pk: job for pk, job in jobs.items() if job.is_recurring}
     if not recurring:
-        return []
+        return [], {}
     latest = dict(
         Run.objects.filter(job_id__in=list(recurring), is_backfill=False)
         .values("job_id")
@@ -467,12 +468,7 @@ def _next_runs(ended: list[Run], now: datetime) -> list[events.Event]:
         events.event(r.pk, "scheduled", now, scheduled_for=delivery.iso_z(r.scheduled_for), due_at=delivery.iso_z(r.due_at))
         for r in created
     ]
-    for run in ended:
-        nxt = new_by_job.get(run.job_id)
-        if nxt is not None:
-            found.append(events.event(run.pk, "next_run_created", now, run=nxt.public_id,
-                                      scheduled_for=delivery.iso_z(nxt.scheduled_for)))
-    return found
+    return found, {run.pk: new_by_job[run.job_id] for run in ended if run.job_id in new_by_job}
 
 
 def paused_target_hosts(hosts: set[str]) -> set[str]:

@@ -192,7 +192,8 @@ def publish_runs(run_ids: list[int], hosts: dict[int, str] | None = None) -> Non
     from runs.tasks import execute_runs
     from scheduler_project.celery import app
 
-    size = max(1, settings.SCHEDULER_DISPATCH_BATCH)
+    # More runs to one host than its bulkhead holds would only be put back to wait.
+    size = max(1, min(settings.SCHEDULER_DISPATCH_BATCH, settings.SCHEDULER_TARGET_CONCURRENCY))
     groups: dict[str, list[int]] = {}
     for run_id in run_ids:
         groups.setdefault((hosts or {}).get(run_id, ""), []).append(run_id)

@@ -264,8 +264,9 @@ SCHEDULER_MIN_INTERVAL = env_str("SCHEDULER_MIN_INTERVAL", "1m")
 # Ours: partitions are fixed for a deployment (a run's partition is stored on it).
 SCHEDULER_PARTITIONS = env_int("SCHEDULER_PARTITIONS", 16)
 SCHEDULER_SCAN_BATCH = env_int("SCHEDULER_SCAN_BATCH", 500)
-# Runs per run-queue message: a worker claims, calls and records them together.
-SCHEDULER_DISPATCH_BATCH = env_int("SCHEDULER_DISPATCH_BATCH", 50)
+# Runs per run-queue message (at most SCHEDULER_TARGET_CONCURRENCY: one message's
+# runs go to one host): a worker claims, calls and records them together.
+SCHEDULER_DISPATCH_BATCH = env_int("SCHEDULER_DISPATCH_BATCH", 200)
 # Calls one worker process keeps in flight at once (threads of its call pool).
 SCHEDULER_WORKER_CALLS = env_int("SCHEDULER_WORKER_CALLS", 64)
 # A scanner stops queueing while this many of its partitions' runs wait queued and

@@ -130,7 +130,6 @@ def integration_env(transactional_db: None, tmp_path: Path) -> dict[str, str]:
             "SCHEDULER_ZK_ROOT": f"/scheduler-test-{uuid.uuid4().hex[:8]}",
             "SCHEDULER_SCAN_INTERVAL": "0.5",
             "SCHEDULER_ZK_SESSION_TIMEOUT": "4",
-            "SCHEDULER_ZK_TIME_BOUNDARY": "1",
             "SCHEDULER_DATA_DIR": str(tmp_path / "var"),
             "PYTHONUNBUFFERED": "1",
         }

@@ -53,8 +53,9 @@ def test_a_successful_call_records_the_outcome_and_creates_the_next_run(service:
     assert run_execute(run_id=run.pk, worker="w1") == "succeeded"
     run.refresh_from_db()
     assert run.status == S.SUCCEEDED and run.attempt == 1 and run.fence == 1
-    assert types(run) == ["scheduled", "claimed", "target_answered", "succeeded", "next_run_created"]
+    assert types(run) == ["scheduled", "claimed", "target_answered", "succeeded"]
     nxt = Run.objects.get(job=job, status=S.SCHEDULED)
+    assert run.events.get(type="succeeded").detail["next_run"] == nxt.public_id
     assert nxt.scheduled_for == run.scheduled_for + timedelta(minutes=5)
     [call] = target.calls("/ok")
     assert call.headers["Idempotency-Key"] == f"{job.public_id}@{run.scheduled_for:%Y-%m-%dT%H:%M:%SZ}"
