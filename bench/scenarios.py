@@ -137,11 +137,11 @@ def sustained(args: argparse.Namespace) -> int:
 
 def spike(args: argparse.Namespace) -> int:
     """100,000 runs due at one instant; then the same spread over a window."""
-    from bench import load
-
     results: dict[str, Any] = {"runs": args.runs, "layout": _layout_summary(args)}
     if not args.skip_instant:
         _prepare()
+        from bench import load
+
         stats_dir = Path(harness.tempfile.mkdtemp(prefix="sched-stmts-"))
         layout = _layout(args, stats_dir)
         try:
@@ -163,6 +163,8 @@ def spike(args: argparse.Namespace) -> int:
             harness.stop_zookeeper()
     if args.window:
         _prepare()
+        from bench import load
+
         stats_dir = Path(harness.tempfile.mkdtemp(prefix="sched-stmts-"))
         layout = _layout(args, stats_dir)
         try:

@@ -180,7 +180,22 @@ def fair_share(partitions: int, members: int) -> int:
     return -(-partitions // max(1, members))
 
 
-class ZooKeeperLeases:
+class _Wakeable:
+    """The scanner loop's sleep: until the leases change (`wake`) or the timeout."""
+
+    _wake: threading.Event
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep until something changed (True) or `timeout` passed (False)."""
+        woken = self._wake.wait(max(0.0, timeout))
+        self._wake.clear()
+        return woken
+
+    def wake(self) -> None:
+        self._wake.set()
+
+
+class ZooKeeperLeases(_Wakeable):
     """A member of a kazoo ``Party``, holding one kazoo ``Lock`` per partition it owns.
 
     Each member takes free partitions up to its share, ceil(partitions /
@@ -276,15 +291,6 @@ class ZooKeeperLeases:
         owned = self._owned_now()
         self._note(owned)
         return owned
-
-    def wait(self, timeout: float) -> bool:
-        """Sleep until something changed (True) or `timeout` passed (False)."""
-        woken = self._wake.wait(max(0.0, timeout))
-        self._wake.clear()
-        return woken
-
-    def wake(self) -> None:
-        self._wake.set()
 
     def stop(self) -> None:
         client = self._client
@@ -681,7 +687,7 @@ def partitions_in(record: dict[str, Any]) -> list[int]:
 # --------------------------------------------------------------------------- embedded
 
 
-class LocalLeases:
+class LocalLeases(_Wakeable):
     """The embedded single-node coordinator: all partitions, while holding the lock.
 
     A second embedded scanner on the same machine gets nothing until the
@@ -724,15 +730,6 @@ class LocalLeases:
             except FileNotFoundError:
                 pass
             self._drop()
-
-    def wait(self, timeout: float) -> bool:
-        """Sleep up to `timeout`: nothing here changes but by the next poll (True if woken)."""
-        woken = self._wake.wait(max(0.0, timeout))
-        self._wake.clear()
-        return woken
-
-    def wake(self) -> None:
-        self._wake.set()
 
     def describe(self) -> dict[str, Any]:
         state = "stopped" if not self._started else ("acquired" if self._fd is not None else "waiting")

@@ -72,7 +72,7 @@ def scan_once(*, partitions: list[int] | frozenset[int], now: datetime | None = 
 # What the due read needs of a run and its job; a misfired run's job is read whole.
 DUE_FIELDS = (
     "id", "job_id", "partition", "scheduled_for", "due_at", "status", "attempt", "is_backfill",
-    "job__id", "job__window_seconds", "job__target",
+    "job__id", "job__window_seconds", "job__target", "job__schedule", "job__misfire",
 )
 
 
@@ -92,8 +92,19 @@ def _queue_due(due: list[Run], now: datetime, result: ScanResult) -> list[Run]:
     grace = timedelta(seconds=settings.SCHEDULER_MISFIRE_GRACE)
     on_time: list[Run] = []
     late_queued: list[Run] = []
+    found: list[events.Event] = []
     for run in due:
         if run.is_backfill or run.attempt > 0 or now <= _deadline(run, grace):
+            on_time.append(run)
+        elif not run.job.schedule and run.job.misfire != "skip":
+            # A late one-off under run_once or run_all runs now, and has no other
+            # times to skip: it is queued with the others (a spike held back by
+            # SCHEDULER_MAX_QUEUED costs no statement per run).
+            late_by = int((now - run.scheduled_for).total_seconds())
+            found.append(
+                events.event(run.pk, "misfired", now, policy=run.job.misfire, late_by_s=late_by, other_missed_times=0)
+            )
+            result.misfired += 1
             on_time.append(run)
         else:
             run.job = Job.objects.get(pk=run.job_id)  # the policy needs the whole job
@@ -102,8 +113,9 @@ def _queue_due(due: list[Run], now: datetime, result: ScanResult) -> list[Run]:
     ids = [run.pk for run in on_time]
     if ids:
         claims.mark_queued(run_ids=ids, now=now)
-        events.record_many(events.event(i, "queued", now) for i in ids)
+        found += [events.event(i, "queued", now) for i in ids]
         result.queued.extend(ids)
+    events.record_many(found)
     return on_time + late_queued
 
 
