@@ -110,7 +110,7 @@ def _our_side(layout: Layout, args: argparse.Namespace) -> dict[str, float]:
     _sleep_until(due)
     wait_for(lambda: RunEvent.objects.filter(type="succeeded").count() >= args.schedules, 900, "our runs to succeed", interval=0.5)
     dispatched = RunEvent.objects.filter(type="queued").aggregate(t=Max("at"))["t"]
-    target.kill(15)
+    target.signal(15)
     target.popen.wait(timeout=30)
     arrivals = layout.arrivals(PORT)
     layout.stop_all()

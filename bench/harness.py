@@ -147,42 +147,69 @@ def cpu_of(pids: list[int]) -> float:
     return sum(proc_cpu_seconds(p) for p in pids)
 
 
-@dataclass
 class Proc:
-    kind: str
-    name: str
-    popen: subprocess.Popen[bytes]
-    log_path: Path
+    """One process and its group (a prefork worker's children too), logging to a file
+    of its own; ended only by its own process group id. `generation` counts restarts
+    (the soak's), each with its own log; `kind` groups CPU figures (the benches')."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path, generation: int = 1,
+                 kind: str = "") -> None:
+        self.name, self.argv, self.env, self.log_dir, self.generation = name, argv, env, log_dir, generation
+        self.kind = kind or name
+        self.log_path = log_dir / f"{name}.{generation}.log"
+        self.started_at = time.time()
+        with open(self.log_path, "wb") as log:
+            self.popen = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True)
+        self.stopped = False  # SIGSTOPped (the soak's freeze)
 
     @property
     def pid(self) -> int:
         return self.popen.pid
 
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
     def cpu(self) -> float:
         return cpu_of(group_pids(self.pid))
 
-    def kill(self, sig: int = signal.SIGKILL) -> None:
+    def signal(self, sig: int) -> None:
         try:
-            os.killpg(self.pid, sig)
+            os.killpg(self.popen.pid, sig)
         except ProcessLookupError:
             pass
 
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.kill(signal.SIGCONT)
-            self.kill(signal.SIGTERM)
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        try:
+            self.popen.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def freeze(self) -> None:
+        self.signal(signal.SIGSTOP)
+        self.stopped = True
+
+    def thaw(self) -> None:
+        self.signal(signal.SIGCONT)
+        self.stopped = False
+
+    def stop(self, grace: float = 10) -> None:
+        if self.alive():
+            self.thaw()
+            self.signal(signal.SIGTERM)
             try:
-                self.popen.wait(timeout=15)
+                self.popen.wait(timeout=grace)
             except subprocess.TimeoutExpired:
                 pass
-        self.kill(signal.SIGKILL)
+        self.signal(signal.SIGKILL)  # leftovers of the group, if any
         try:
             self.popen.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
 
     def output(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
 @dataclass
@@ -194,11 +221,7 @@ class Layout:
     procs: list[Proc] = field(default_factory=list)
 
     def start(self, kind: str, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
-        log = self.workdir / f"{name}.log"
-        popen = subprocess.Popen(
-            argv, cwd=ROOT, env=env or self.env, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True
-        )
-        proc = Proc(kind, name, popen, log)
+        proc = Proc(name, argv, env or self.env, self.workdir, kind=kind)
         self.procs.append(proc)
         return proc
 
@@ -237,7 +260,7 @@ class Layout:
 
     def stop_all(self) -> None:
         for proc in self.procs:
-            proc.stop()
+            proc.stop(grace=15)
 
     def cleanup(self) -> None:
         self.stop_all()

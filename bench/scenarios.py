@@ -80,7 +80,7 @@ def _due_at_by_run(run_ids: list[int]) -> dict[int, datetime]:
 
 
 def _stop_target(target: harness.Proc) -> None:
-    target.kill(signal.SIGTERM)
+    target.signal(signal.SIGTERM)
     target.popen.wait(timeout=30)
 
 
@@ -157,14 +157,21 @@ def spike(args: argparse.Namespace) -> int:
             load.analyze()
             _start_processes(layout, args)
             _sleep_until(at)
-            _stop_processes_after_drain(layout, time.time() + 900, lambda: _count_open_due(at + timedelta(seconds=1)))
+            cpu0 = layout.cpu_by_kind()
+            _wait_drained(time.time() + 900, lambda: _count_open_due(at + timedelta(seconds=1)))
+            cpu1 = layout.cpu_by_kind()
+            layout.stop_all()
             _stop_target(target)
             arrivals = layout.arrivals(TARGET_PORT)
             last = max(a for a, _ in arrivals)
             results["all_started_s"] = round(last - at.timestamp(), 2)
             results["started"] = len({rid for _, rid in arrivals})
             results["drain_rate_per_s"] = round(results["started"] / results["all_started_s"], 1)
-            print("instant:", {k: results[k] for k in ("all_started_s", "started", "drain_rate_per_s")}, flush=True)
+            # The same measure as `sustained`'s: CPU of each process kind over the drain, per run.
+            results["cpu_s_per_run"] = {k: round((cpu1[k] - cpu0.get(k, 0.0)) / max(1, results["started"]), 6)
+                                        for k in cpu1}
+            print("instant:", {k: results[k] for k in ("all_started_s", "started", "drain_rate_per_s", "cpu_s_per_run")},
+                  flush=True)
         finally:
             layout.cleanup()
             harness.stop_zookeeper()
@@ -250,11 +257,15 @@ def _count_open_due(before: datetime) -> int:
     return Run.objects.filter(due_at__lt=before, status__in=Run.OPEN).count()
 
 
-def _stop_processes_after_drain(layout: Layout, deadline: float, open_count: Any) -> None:
-    """Wait until no run due in the measured range is open (or the deadline), then stop."""
+def _wait_drained(deadline: float, open_count: Any) -> None:
+    """Wait until no run due in the measured range is open (or the deadline)."""
     while time.time() < deadline and open_count() > 0:
         time.sleep(0.5)
     time.sleep(0.5)
+
+
+def _stop_processes_after_drain(layout: Layout, deadline: float, open_count: Any) -> None:
+    _wait_drained(deadline, open_count)
     layout.stop_all()
 
 

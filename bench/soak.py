@@ -541,6 +541,7 @@ class Soak:
 
     def handovers(self, timeline: dict[int, list[tuple[datetime, str, dict[str, Any]]]]) -> dict[str, Any]:
         worker: dict[str, list[float]] = defaultdict(list)
+        slowest: dict[str, Any] = {}  # the run that took longest, with its timeline after the loss
         for loss in self.worker_losses:
             lost_at = utc(loss["at"])
             for run_id, fence in loss["runs"]:
@@ -550,8 +551,14 @@ class Soak:
                     continue
                 # A run its target's breaker or bulkhead held meanwhile waited on purpose: not a handover time.
                 held = any(t in DEFERRALS and at < again for at, t, _ in later)
-                worker[loss["kind"] + ("_held" if held else "")].append((again - lost_at).total_seconds())
+                took = (again - lost_at).total_seconds()
+                worker[loss["kind"] + ("_held" if held else "")].append(took)
+                if took > slowest.get("took_s", -1):
+                    slowest = {"took_s": round(took, 2), "kind": loss["kind"], "run": run_id, "fence": fence,
+                               "lost_at": lost_at.isoformat(), "after_loss": [
+                                   (round((at - lost_at).total_seconds(), 3), t, d) for at, t, d in later if at <= again]}
         return {
+            "slowest_worker_handover": slowest,
             "worker_death_to_run_claimed_s": _stats(worker["worker_kill"]),
             "worker_frozen_to_run_claimed_s": _stats(worker["worker_stop"]),
             "runs_held_by_breaker_or_bulkhead_meanwhile": len(worker["worker_kill_held"] + worker["worker_stop_held"]),

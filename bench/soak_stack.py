@@ -9,17 +9,15 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import psycopg
 
-from bench.harness import PY, ROOT, free_port, wait_for
+from bench.harness import PY, ROOT, Proc, free_port, wait_for
 
 ZK_SCRIPT = ROOT / "scripts" / "zookeeper.sh"
 # scripts/zookeeper.sh's tickTime, for the report: the server expires sessions on its ticks.
@@ -36,64 +34,6 @@ CREATE TABLE IF NOT EXISTS soak_calls (
     arrived double precision NOT NULL, answered double precision NOT NULL
 );
 """
-
-
-class Proc:
-    """One process (and its group). `generation` counts restarts; each has its own log."""
-
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path, generation: int = 1) -> None:
-        self.name, self.argv, self.env, self.log_dir, self.generation = name, argv, env, log_dir, generation
-        self.log_path = log_dir / f"{name}.{generation}.log"
-        self.started_at = time.time()
-        with open(self.log_path, "wb") as log:
-            self.popen = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True)
-        self.stopped = False  # SIGSTOPped by the soak
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def signal(self, sig: int) -> None:
-        try:
-            os.killpg(self.popen.pid, sig)  # the whole group: a prefork worker's children too
-        except ProcessLookupError:
-            pass
-
-    def kill(self) -> None:
-        self.signal(signal.SIGKILL)
-        try:
-            self.popen.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-
-    def freeze(self) -> None:
-        self.signal(signal.SIGSTOP)
-        self.stopped = True
-
-    def thaw(self) -> None:
-        self.signal(signal.SIGCONT)
-        self.stopped = False
-
-    def stop(self, grace: float = 10) -> None:
-        if self.alive():
-            self.thaw()
-            self.signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                pass
-        self.signal(signal.SIGKILL)  # leftovers of the group, if any
-        try:
-            self.popen.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-
-    def output(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
 class PrivateRedis:
@@ -119,6 +59,9 @@ class PrivateRedis:
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
+
+    def llen(self, key: str) -> int:
+        return int(self._cli("LLEN", key).strip() or 0)
 
     def flushall(self) -> None:
         if not self._ours():

@@ -9,6 +9,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone as dt_timezone
+from typing import Callable, Generic, TypeVar
 
 import certifi
 import urllib3
@@ -24,43 +25,54 @@ from runs.models import Run
 RETRYABLE_STATUSES = frozenset({408, 429})
 USER_AGENT = "django-job-scheduler/1.0"
 
-_http: tuple[int, urllib3.PoolManager] | None = None
-_http_lock = threading.Lock()
+T = TypeVar("T")
+
+
+class _PerProcess(Generic[T]):
+    """A value made once per process, on first use: a forked worker child makes its
+    own instead of sharing its parent's sockets or threads."""
+
+    def __init__(self, make: Callable[[], T]) -> None:
+        self._make = make
+        self._lock = threading.Lock()
+        self._held: tuple[int, T] | None = None
+
+    def get(self) -> T:
+        with self._lock:
+            if self._held is None or self._held[0] != os.getpid():
+                self._held = (os.getpid(), self._make())
+            return self._held[1]
+
+    def made(self) -> T | None:
+        """This process's value, if it has been made."""
+        held = self._held
+        return held[1] if held is not None and held[0] == os.getpid() else None
+
+
+# One keep-alive connection pool per worker process (urllib3 is thread-safe).
+# urllib3, the library under `requests`, without the layer on top: about a third
+# of the CPU per call (docs/performance.md).
+_http = _PerProcess(lambda: urllib3.PoolManager(
+    num_pools=256, maxsize=max(8, settings.SCHEDULER_WORKER_CALLS), retries=False, ca_certs=certifi.where()
+))
+# The worker process's threads for calls in flight (SCHEDULER_WORKER_CALLS of them):
+# a batch's calls go out side by side, each thread with its own keep-alive connections.
+_calls = _PerProcess(lambda: ThreadPoolExecutor(max_workers=settings.SCHEDULER_WORKER_CALLS, thread_name_prefix="call"))
 
 
 def http() -> urllib3.PoolManager:
-    """One keep-alive connection pool per worker process (urllib3 is thread-safe),
-    made after fork. urllib3, the library under `requests`, without the layer on
-    top: about a third of the CPU per call (docs/performance.md)."""
-    global _http
-    with _http_lock:
-        if _http is None or _http[0] != os.getpid():
-            _http = (os.getpid(), urllib3.PoolManager(
-                num_pools=256, maxsize=max(8, settings.SCHEDULER_WORKER_CALLS), retries=False, ca_certs=certifi.where()
-            ))
-        return _http[1]
+    return _http.get()
+
+
+def call_pool() -> ThreadPoolExecutor:
+    return _calls.get()
 
 
 def close_connections() -> None:
     """Drop the process's pooled connections (tests: a live server's threads)."""
-    if _http is not None:
-        _http[1].clear()
-
-
-_pool: tuple[int, ThreadPoolExecutor] | None = None
-_pool_lock = threading.Lock()
-
-
-def call_pool() -> ThreadPoolExecutor:
-    """The worker process's threads for calls in flight (SCHEDULER_WORKER_CALLS of
-    them), made after fork: a batch's calls go out side by side, each thread with
-    its own keep-alive connections."""
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool[0] != os.getpid():
-            _pool = (os.getpid(), ThreadPoolExecutor(max_workers=settings.SCHEDULER_WORKER_CALLS,
-                                                     thread_name_prefix="call"))
-        return _pool[1]
+    pool = _http.made()
+    if pool is not None:
+        pool.clear()
 
 
 @dataclass(frozen=True)

@@ -100,10 +100,7 @@ def _queue_due(due: list[Run], now: datetime, result: ScanResult) -> list[Run]:
             # A late one-off under run_once or run_all runs now, and has no other
             # times to skip: it is queued with the others (a spike held back by
             # SCHEDULER_MAX_QUEUED costs no statement per run).
-            late_by = int((now - run.scheduled_for).total_seconds())
-            found.append(
-                events.event(run.pk, "misfired", now, policy=run.job.misfire, late_by_s=late_by, other_missed_times=0)
-            )
+            found.append(_misfired(run, now, other_missed_times=0))
             result.misfired += 1
             on_time.append(run)
         else:
@@ -149,10 +146,7 @@ def _misfire(run: Run, now: datetime, result: ScanResult) -> bool:
         policy=job.misfire, late_time=run.scheduled_for, missed_after=missed, next_future=next_future
     )
     result.misfired += 1
-    late_by = int((now - run.scheduled_for).total_seconds())
-    found: list[events.Event] = [
-        events.event(run.pk, "misfired", now, policy=job.misfire, late_by_s=late_by, other_missed_times=missed_count)
-    ]
+    found: list[events.Event] = [_misfired(run, now, other_missed_times=missed_count)]
     if decision.run_late:
         claims.mark_queued(run_ids=[run.pk], now=now)
         found.append(events.event(run.pk, "queued", now))
@@ -170,6 +164,13 @@ def _misfire(run: Run, now: datetime, result: ScanResult) -> bool:
         elif not job.is_recurring:
             Job.objects.filter(pk=job.pk).exclude(state=Job.State.DELETED).update(state=Job.State.COMPLETED)
     return decision.run_late
+
+
+def _misfired(run: Run, now: datetime, *, other_missed_times: int) -> events.Event:
+    """The `misfired` event every late run's timeline gets, naming the policy."""
+    late_by = int((now - run.scheduled_for).total_seconds())
+    return events.event(run.pk, "misfired", now, policy=run.job.misfire, late_by_s=late_by,
+                        other_missed_times=other_missed_times)
 
 
 def _skip_times(job: Job, times: list[datetime], now: datetime, result: ScanResult) -> None:

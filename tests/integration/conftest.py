@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import time
 import uuid
@@ -20,6 +17,8 @@ import pytest
 import requests
 from django.db import connection
 
+from bench.harness import Proc
+from bench.soak_stack import PrivateRedis
 from jobs.services import service_account_ensure
 from tests.target import LoopbackTarget
 
@@ -36,52 +35,6 @@ def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.2
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Proc:
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path) -> None:
-        self.name = name
-        self.log_path = log_dir / f"{name}.log"
-        self.log = open(self.log_path, "wb")
-        self.popen = subprocess.Popen(
-            argv, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def signal(self, sig: int) -> None:
-        try:
-            os.killpg(self.popen.pid, sig)  # the whole group: a prefork worker's children too
-        except ProcessLookupError:
-            pass
-
-    def kill(self) -> None:
-        self.signal(signal.SIGKILL)
-        self.popen.wait(timeout=10)
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.signal(signal.SIGCONT)
-            self.signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self.signal(signal.SIGKILL)  # leftovers of the group, if any
-        self.log.close()
-
-    def output(self) -> str:
-        if not self.log.closed:
-            self.log.flush()
-        return self.log_path.read_text(errors="replace")
 
 
 class Stack:
@@ -181,41 +134,6 @@ class Api:
 def api(live_server: Any, integration_env: dict[str, str]) -> Api:
     _, token = service_account_ensure(name="integration", email="owner@example.test")
     return Api(live_server.url, token)
-
-
-class PrivateRedis:
-    """A redis-server of our own on a free loopback port, so FLUSHALL touches nothing else."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.port = free_port()
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(tmp)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-        )
-        wait_for(self._ours, 10, what="the private redis-server")
-
-    def _ours(self) -> bool:
-        try:
-            out = subprocess.run(["redis-cli", "-p", str(self.port), "info", "server"], capture_output=True, text=True, timeout=2)
-        except subprocess.TimeoutExpired:
-            return False
-        return f"process_id:{self.proc.pid}" in out.stdout
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def llen(self, key: str) -> int:
-        out = subprocess.run(["redis-cli", "-p", str(self.port), "LLEN", key], capture_output=True, text=True, timeout=5)
-        return int(out.stdout.strip() or 0)
-
-    def flushall(self) -> None:
-        subprocess.run(["redis-cli", "-p", str(self.port), "FLUSHALL"], check=True, capture_output=True, timeout=5)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=10)
 
 
 @pytest.fixture

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import ROOT, free_port
+from bench.harness import free_port
+from tests.integration.conftest import ROOT
 
 pytestmark = [pytest.mark.integration, pytest.mark.embedded]
 
