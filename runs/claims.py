@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.db import connection
-from django.db.models import Q, QuerySet
+from django.db.models import BooleanField, Q, QuerySet
 from django.db.models.expressions import RawSQL
 
 from runs.models import Run
@@ -286,7 +286,10 @@ def lock_due(*, partitions: list[int], now: datetime, limit: int) -> "QuerySet[R
     assert connection.in_atomic_block, "the due read runs inside the scan's transaction"
     due = Run.objects.filter(status=S.SCHEDULED, held=False, due_at__lte=now)
     if connection.vendor == "postgresql":
-        due = due.filter(pk__in=RawSQL(DUE_IDS_SQL, (list(partitions), now, limit, limit)))
+        # `= ANY(ARRAY(...))`, not `IN (...)`: the ids come as one array, looked up
+        # by primary key, which the planner never turns into a scan of the table.
+        due = due.filter(RawSQL(f'"runs"."id" = ANY(ARRAY({DUE_IDS_SQL}))', (list(partitions), now, limit, limit),
+                                output_field=BooleanField()))
     else:  # the embedded SQLite file: small, and no LATERAL
         due = due.filter(partition__in=partitions)
     return due.order_by("due_at").select_for_update(skip_locked=True, of=("self",))[:limit]
