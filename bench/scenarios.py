@@ -27,7 +27,7 @@ def add_layout_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scanners", type=int, default=1)
     parser.add_argument("--scan-interval", default="0.2")
     parser.add_argument("--batch", type=int, default=200, help="runs per run-queue message (SCHEDULER_DISPATCH_BATCH)")
-    parser.add_argument("--calls", type=int, default=64, help="calls in flight per worker process (SCHEDULER_WORKER_CALLS)")
+    parser.add_argument("--calls", type=int, default=200, help="calls in flight per worker process (SCHEDULER_WORKER_CALLS)")
 
 
 def _layout(args: argparse.Namespace, stats_dir: Path, **extra: str) -> Layout:

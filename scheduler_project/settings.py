@@ -267,8 +267,10 @@ SCHEDULER_SCAN_BATCH = env_int("SCHEDULER_SCAN_BATCH", 500)
 # Runs per run-queue message (at most SCHEDULER_TARGET_CONCURRENCY: one message's
 # runs go to one host): a worker claims, calls and records them together.
 SCHEDULER_DISPATCH_BATCH = env_int("SCHEDULER_DISPATCH_BATCH", 200)
-# Calls one worker process keeps in flight at once (threads of its call pool).
-SCHEDULER_WORKER_CALLS = env_int("SCHEDULER_WORKER_CALLS", 64)
+# Calls one worker process keeps in flight at once (threads of its call pool, made
+# as needed). As many as a batch holds, so that a batch to a slow host goes out in
+# one round, not in several (docs/performance.md: 100 ms calls).
+SCHEDULER_WORKER_CALLS = env_int("SCHEDULER_WORKER_CALLS", SCHEDULER_DISPATCH_BATCH)
 # A scanner stops queueing while this many of its partitions' runs wait queued and
 # unclaimed: due runs stay `scheduled` in the store (the truth) instead of piling up
 # in the broker, where they would be published again after SCHEDULER_REQUEUE_AFTER.
