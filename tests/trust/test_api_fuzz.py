@@ -13,6 +13,12 @@ from typing import Any
 
 import pytest
 import schemathesis
+# Loaded here, at collection, not lazily inside the first test's fixture: CPython
+# 3.11.7 can fail compiling a module later in a session that has changed the
+# recursion limit (hypothesis does) or caught a RecursionError (the API's nesting
+# test does), with "SystemError: AST constructor recursion depth mismatch" (seen
+# in CI on pytest's rewrite of schemathesis.specs.openapi.coverage._schema).
+import schemathesis.specs.openapi.schemas  # noqa: F401
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from hypothesis import strategies as st
