@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import schemathesis
 # Loaded here, at collection, not lazily inside the first test's fixture: CPython
-# 3.11.7 can fail compiling a module later in a session that has changed the
-# recursion limit (hypothesis does) or caught a RecursionError (the API's nesting
-# test does), with "SystemError: AST constructor recursion depth mismatch" (seen
-# in CI on pytest's rewrite of schemathesis.specs.openapi.coverage._schema).
+# 3.11.7 once failed in CI compiling schemathesis.specs.openapi.coverage._schema
+# there, mid-session ("SystemError: AST constructor recursion depth mismatch").
+# Likely triggers, not proven: by then hypothesis has changed the recursion limit
+# and the API's nesting test has caught a RecursionError.
 import schemathesis.specs.openapi.schemas  # noqa: F401
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
