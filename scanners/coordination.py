@@ -243,6 +243,11 @@ class ZooKeeperLeases(_Wakeable):
         # step changed what we hold, the link changed): see wait().
         self._wake = threading.Event()
         self._task: threading.Thread | None = None
+        # A poll that came while a step was in flight could not start the next
+        # step; the step, when it ends, wakes the loop for another poll.
+        self._steps_lock = threading.Lock()
+        self._step_running = False
+        self._poll_missed = False
         # The session our party node and locks belong to; they end with it.
         self._joined_session: int | None = None
         self._party: Party | None = None
@@ -282,12 +287,20 @@ class ZooKeeperLeases(_Wakeable):
         self._run_steps(self._join)
 
     def poll(self) -> frozenset[int]:
-        if self._task is None or not self._task.is_alive():
-            # Before reading what we own: a step may set partitions aside to
-            # hand back, and those must not be in the scan that follows.
-            step = self._next_step()
-            if step is not None:
-                self._spawn(step)
+        with self._steps_lock:
+            if self._step_running:
+                self._poll_missed = True
+            else:
+                # Before reading what we own: a step may set partitions aside to
+                # hand back, and those must not be in the scan that follows.
+                step = self._next_step()
+                if step is not None:
+                    self._step_running = True
+                    try:
+                        self._spawn(step)
+                    except BaseException:
+                        self._step_running = False
+                        raise
         owned = self._owned_now()
         self._note(owned)
         return owned
@@ -466,11 +479,16 @@ class ZooKeeperLeases(_Wakeable):
         waiting for a poll; a bounded chain, ended by the first failure. Then wake
         the scanner loop if what it would scan changed (only then: a step that
         keeps changing nothing must not spin the loop)."""
-        for _ in range(8):
-            if step is None or not self._run_step(step):
-                break
-            step = self._next_step(from_poll=False)
-        if self._owned_now() != self._owned:
+        try:
+            for _ in range(8):
+                if step is None or not self._run_step(step):
+                    break
+                step = self._next_step(from_poll=False)
+        finally:
+            with self._steps_lock:
+                self._step_running = False
+                missed, self._poll_missed = self._poll_missed, False
+        if missed or self._owned_now() != self._owned:
             self._wake.set()
 
     def _run_step(self, step: Callable[[], None]) -> bool:
