@@ -19,6 +19,7 @@ from django.test import override_settings
 
 from jobs.models import Job
 from jobs.services import job_create
+from runs import invariants
 from runs.models import Run
 from runs.services import run_next_create
 from scanners import scan
@@ -72,11 +73,8 @@ def test_a_time_still_inside_its_grace_is_not_missed_but_becomes_the_next_run(
 ) -> None:
     job = per_minute(service.user, misfire=policy)
     queued: list[str] = []
-    for _ in range(4):  # bounded: at most one run per missed time, and one more
-        result = scan_once(partitions=ALL, now=BACK, publish=False)
-        if not result.queued:
-            break
-        for run_id in result.queued:
+    for _ in range(4):  # bounded: a scan per time at most, and one more
+        for run_id in scan_once(partitions=ALL, now=BACK, publish=False).queued:
             queued.append(hhmm(Run.objects.get(pk=run_id).scheduled_for))
             finish_as_a_worker_would(run_id, BACK)
     assert queued == ran
@@ -157,6 +155,8 @@ def test_a_late_run_whose_stored_schedule_no_longer_parses_costs_that_run_only(
     again = scan_once(partitions=ALL, now=BACK + timedelta(seconds=1), publish=False)
     assert dead.pk not in again.queued and dead.events.filter(type="scan_error").count() == 1
     assert Run.objects.filter(job=bad, status__in=[S.SCHEDULED, S.QUEUED]).count() == 0
+    assert "next_run_error" in dead.events.get(type="dead").detail  # no next time can be worked out
+    assert invariants.timelines() == [] and invariants.one_open_run_per_job() == []
 
 
 @override_settings(SCHEDULER_MISFIRE_GRACE=60)
@@ -173,7 +173,11 @@ def test_a_late_run_whose_next_run_clashes_on_insert_costs_that_run_only(service
         assert Run.objects.filter(job=job, status=S.SCHEDULED).count() == 1
     backfill = Run.objects.get(job=clashing, scheduled_for=utc("2026-10-28T20:32:00Z"))
     assert backfill.status == S.QUEUED and backfill.pk in published(broker)
-    assert result.skipped >= 16
+    assert result.skipped >= 16 and result.set_aside == [late.pk]
+    # The job goes on from the run set aside: its next run is the next time.
+    nxt = late.events.get(type="dead").detail["next_scheduled_for"]
+    assert Run.objects.get(job=clashing, status=S.SCHEDULED, is_backfill=False).scheduled_for == utc(nxt)
+    assert invariants.timelines() == [] and invariants.one_open_run_per_job() == []
 
 
 def test_a_run_the_bulk_queue_statement_cannot_write_is_set_aside_and_the_rest_are_queued(
