@@ -57,6 +57,7 @@ def finish_as_a_worker_would(run_id: int, now: datetime) -> None:
 # ------------------------------------------------------------------ defect 6
 
 
+@pytest.mark.embedded
 @override_settings(SCHEDULER_MISFIRE_GRACE=60)
 @pytest.mark.parametrize(
     ("policy", "ran", "skipped"),
@@ -83,6 +84,7 @@ def test_a_time_still_inside_its_grace_is_not_missed_but_becomes_the_next_run(
     assert "misfired" not in on_time.events.values_list("type", flat=True)
 
 
+@pytest.mark.embedded
 @override_settings(SCHEDULER_MISFIRE_GRACE=60)
 def test_a_skipped_late_run_is_followed_by_the_first_time_whose_window_and_grace_have_not_passed(service: Any) -> None:
     # Window 120 s: 20:30 is late after 20:33:00, 20:31 only after 20:34:00.
