@@ -248,3 +248,21 @@ def test_with_room_under_the_queue_limit_every_unclaimed_run_is_republished_at_o
     backlog = _queued_backlog(service.user, 20)
     result = scan_once(partitions=ALL, now=T0 + timedelta(seconds=31 + 31), publish=False)
     assert sorted(result.republished) == sorted(backlog)
+
+
+@override_settings(SCHEDULER_MAX_QUEUED=40, SCHEDULER_REQUEUE_AFTER=30)
+def test_due_runs_take_the_queues_room_first_and_republishing_gets_what_is_left(service: Any) -> None:
+    backlog = _queued_backlog(service.user, 40)
+    Run.objects.filter(pk__in=backlog[:20]).update(status=S.SUCCEEDED)  # the workers took 20
+    fresh = [per_minute(service.user, name=f"f{i}") for i in range(5)]  # due at 20:30, not queued yet
+    result = scan_once(partitions=ALL, now=T0 + timedelta(seconds=31 + 31), publish=False)
+    assert sorted(result.queued) == sorted(Run.objects.get(job=j).pk for j in fresh)
+    assert len(result.republished) == 40 - 20 - 5  # the room left after the due runs
+
+
+def test_the_republish_budget_is_the_room_left_at_least_a_few_at_most_a_batch() -> None:
+    assert scan.republish_budget(room_left=300, batch=500) == 300
+    assert scan.republish_budget(room_left=3000, batch=500) == 500
+    assert scan.republish_budget(room_left=0, batch=500) == scan.REPUBLISH_WHEN_FULL
+    assert scan.republish_budget(room_left=-20, batch=500) == scan.REPUBLISH_WHEN_FULL
+    assert scan.republish_budget(room_left=0, batch=4) == 4
