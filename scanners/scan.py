@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db import OperationalError, transaction
+from django.db import InterfaceError, OperationalError, transaction
 from django.utils import timezone
 
 from jobs import schedule
@@ -128,6 +128,12 @@ def _republish(parts: list[int], now: datetime, budget: int, result: ScanResult)
     result.republished = stale
 
 
+# One row's failure costs that row only: any exception, except the store's own
+# trouble (the database went away, a deadlock, a statement timeout), which is not
+# the row's: that fails the scan, and the next turn tries it all again.
+_STORE_ERRORS = (OperationalError, InterfaceError)
+
+
 def _queue_due(due: list[Run], now: datetime, result: ScanResult) -> list[Run]:
     """Due runs to `queued` (or to their misfire policy); returns the queued ones.
 
@@ -207,12 +213,6 @@ def _mark_queued(runs: list[Run], found: list[events.Event], now: datetime) -> N
     ids = [run.pk for run in runs]
     claims.mark_queued(run_ids=ids, now=now)
     events.record_many([*found, *(events.event(i, "queued", now) for i in ids)])
-
-
-# One row's failure costs that row only: any exception, except an OperationalError
-# (the database went away, a deadlock, a statement timeout), which is the store's
-# trouble, not the row's: that fails the scan, and the next turn tries it all again.
-_STORE_ERRORS = (OperationalError,)
 
 
 def _set_aside(run: Run, now: datetime, exc: Exception, result: ScanResult) -> None:
