@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import random
 import re
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import lru_cache
@@ -507,26 +508,65 @@ def misfire_deadline(*, scheduled_for: datetime, due_at: datetime, window: timed
 
 
 @dataclass(frozen=True)
+class MissedTimes:
+    """A recurring job's times after a late run's, as seen at one instant."""
+
+    latest: list[datetime]  # the most recent missed times, at most `keep`, oldest first
+    count: int  # how many were missed in all (`latest` may keep fewer)
+    next_time: datetime  # the first time not missed: still inside its window plus grace, or ahead
+
+
+def missed_times(
+    *, expr: str, zone: str, late_time: datetime, now: datetime, window: timedelta, grace: timedelta, keep: int
+) -> MissedTimes:
+    """The times after `late_time` that are missed at `now`, and the first one that is not.
+
+    A time t is missed by the same rule as a run (misfire_deadline): now is past
+    max(t + window, due_at) + grace. A run at t has its due_at inside
+    [t, t + window], so that is now > t + window + grace, i.e. t < now - window - grace.
+    A later time, even one already past, is not missed while now is inside its
+    window plus the grace: it is the job's next run, queued on time like any other.
+
+    Only the latest `keep` missed times are returned (a job down for a year at one
+    run a minute would otherwise mean 500k `skipped` rows); `next_time` goes on
+    from the last of all of them, so the schedule resumes from now, not from
+    the start of the outage."""
+    cutoff = _as_utc(now, "now") - window - grace
+    recent: deque[datetime] = deque(maxlen=max(keep, 0))
+    count = 0
+    last = late_time
+    for t in cron_times(expr, zone, late_time, cutoff):
+        recent.append(t)
+        count += 1
+        last = t
+    return MissedTimes(latest=list(recent), count=count, next_time=next_cron_time(expr, zone, last))
+
+
+@dataclass(frozen=True)
 class MisfireDecision:
     run_late: bool  # the late run runs now (run_once, run_all) or is skipped (skip)
     skipped_times: list[datetime] = field(default_factory=list)  # other missed times: a `skipped` row each
-    next_time: datetime | None = None  # skip only: the next future time for the next run
+    next_time: datetime | None = None  # skip only: the time of the job's next run, made now
 
 
 MISFIRE_POLICIES = ("run_once", "skip", "run_all")
 
 
-def misfire_decision(*, policy: str, late_time: datetime, missed_after: list[datetime], next_future: datetime | None) -> MisfireDecision:
+def misfire_decision(*, policy: str, late_time: datetime, missed_after: list[datetime], next_time: datetime | None) -> MisfireDecision:
     """What to do with a late run at `late_time` (its scheduled_for):
-    `missed_after` are the job's other times after it up to now (oldest first),
-    `next_future` the first time after now (None for a one-off).
-    run_once: the late run runs, the others are skipped.
-    skip: the late run and the others are skipped; next_time = next_future.
-    run_all: the late run runs; the others are left for later (each runs in turn)."""
+    `missed_after` are the job's other missed times after it (oldest first; see
+    missed_times: a time still inside its window plus grace is not one of them),
+    `next_time` the first time after those that is not missed (None for a one-off).
+    run_once: the late run runs, the missed others are skipped; the job's next run,
+      made when the late run ends after its latest row, is then `next_time`.
+    skip: the late run and the missed others are skipped; the next run is
+      `next_time`, made now.
+    run_all: the late run runs; the others are left for later (each runs in turn).
+    No policy skips a time that is not missed."""
     if policy == "run_once":
         return MisfireDecision(run_late=True, skipped_times=list(missed_after))
     if policy == "skip":
-        return MisfireDecision(run_late=False, skipped_times=list(missed_after), next_time=next_future)
+        return MisfireDecision(run_late=False, skipped_times=list(missed_after), next_time=next_time)
     if policy == "run_all":
         return MisfireDecision(run_late=True)
     raise ValueError(f"unknown misfire policy {policy!r}: use run_once, skip or run_all")

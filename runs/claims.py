@@ -245,7 +245,9 @@ def release_expired_leases(*, partitions: list[int], now: datetime, limit: int) 
 
 
 def touch_unclaimed(*, partitions: list[int], now: datetime, older_than: timedelta, limit: int) -> list[int]:
-    """Queued runs no worker claimed in time: their message may be lost, publish again."""
+    """Queued runs no worker claimed in time: their message may be lost, publish again.
+    The oldest first, at most `limit`: the scanner's republish budget
+    (scanners.scan.republish_budget), so a backlog is not sent twice."""
     ids = _lock_ids(
         Run.objects.filter(partition__in=partitions, status=S.QUEUED, queued_at__lt=now - older_than).order_by(
             "queued_at"

@@ -8,12 +8,11 @@ publishes again. A run published twice is claimed once (the fence).
 from __future__ import annotations
 
 import logging
-from collections import deque
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db import transaction
+from django.db import InterfaceError, OperationalError, transaction
 from django.utils import timezone
 
 from jobs import schedule
@@ -22,7 +21,7 @@ from runs import claims, events
 from jobs.validators import target_host
 from runs.delivery import iso_z
 from runs.models import Run
-from runs.services import run_create
+from runs.services import notify_dead, run_create, run_next_create
 
 logger = logging.getLogger("scheduler.scanner")
 S = Run.Status
@@ -35,10 +34,27 @@ class ScanResult:
     skipped: int = 0
     lease_expired: list[int] = field(default_factory=list)
     republished: list[int] = field(default_factory=list)
+    set_aside: list[int] = field(default_factory=list)  # runs the scan could not handle: now dead (scan_error)
 
     @property
     def to_publish(self) -> list[int]:
         return self.queued + self.lease_expired + self.republished
+
+    def add(self, other: "ScanResult") -> None:
+        """Counts of one run's handling, taken once its savepoint is released."""
+        self.queued += other.queued
+        self.misfired += other.misfired
+        self.skipped += other.skipped
+        self.set_aside += other.set_aside
+
+
+# Runs a scan may publish again while its partitions' queue is at SCHEDULER_MAX_QUEUED.
+# With the queue full a run not claimed in time is most likely still in the broker,
+# behind the others; republishing all of them would send every waiting run again every
+# SCHEDULER_REQUEUE_AFTER, duplicates growing with the backlog. A few per scan still
+# find messages that really were lost while it was full (Redis flushed at the limit):
+# as those are claimed the queue has room again, and republishing speeds up with it.
+REPUBLISH_WHEN_FULL = 10
 
 
 def scan_once(*, partitions: list[int] | frozenset[int], now: datetime | None = None, publish: bool = True) -> ScanResult:
@@ -52,21 +68,43 @@ def scan_once(*, partitions: list[int] | frozenset[int], now: datetime | None = 
     batch = settings.SCHEDULER_SCAN_BATCH
     with transaction.atomic():
         _recover(parts, now, batch, result)
-    if publish and (result.lease_expired or result.republished):
-        publish_runs(result.lease_expired + result.republished)
+    if publish and result.lease_expired:
+        publish_runs(result.lease_expired)
     # Back-pressure: runs wait in the store, not in the broker (SCHEDULER_MAX_QUEUED).
     room = settings.SCHEDULER_MAX_QUEUED - claims.count_queued(partitions=parts)
-    while room > 0:
-        limit = min(batch, room)
+    left = room
+    while left > 0:
+        limit = min(batch, left)
         with transaction.atomic():
             due = list(claims.lock_due(partitions=parts, now=now, limit=limit).select_related("job").only(*DUE_FIELDS))
             queued = _queue_due(due, now, result)
         if publish and queued:
-            publish_runs([run.pk for run in queued], hosts={run.pk: target_host(run.job.target) for run in queued})
-        room -= len(queued)
+            publish_runs([run.pk for run in queued], hosts={run.pk: _host(run.job.target) for run in queued})
+        left -= len(queued)
         if len(due) < limit:
             break
+    # Republishing comes after queueing, from the room that is left: due runs first.
+    with transaction.atomic():
+        _republish(parts, now, republish_budget(room_left=left, batch=batch), result)
+    if publish and result.republished:
+        publish_runs(result.republished)
     return result
+
+
+def republish_budget(*, room_left: int, batch: int) -> int:
+    """How many unclaimed runs one scan may publish again: the room the back-pressure
+    leaves after this scan's queueing (each republished run is taken for lost, one more
+    message), at least REPUBLISH_WHEN_FULL, at most a batch. The oldest go first."""
+    return min(batch, max(room_left, REPUBLISH_WHEN_FULL))
+
+
+def _host(url: str) -> str:
+    # A stored target that no longer parses as a URL is published with no host: it
+    # must not stop its batch from being published (its call fails on its own).
+    try:
+        return target_host(url)
+    except ValueError:
+        return ""
 
 
 # What the due read needs of a run and its job; a misfired run's job is read whole.
@@ -78,17 +116,31 @@ DUE_FIELDS = (
 
 def _recover(parts: list[int], now: datetime, batch: int, result: ScanResult) -> None:
     expired = claims.release_expired_leases(partitions=parts, now=now, limit=batch)
+    events.record_many(events.event(i, "lease_expired", now) for i in expired)
+    result.lease_expired = expired
+
+
+def _republish(parts: list[int], now: datetime, budget: int, result: ScanResult) -> None:
     stale = claims.touch_unclaimed(
-        partitions=parts, now=now, older_than=timedelta(seconds=settings.SCHEDULER_REQUEUE_AFTER), limit=batch
+        partitions=parts, now=now, older_than=timedelta(seconds=settings.SCHEDULER_REQUEUE_AFTER), limit=budget
     )
-    found = [events.event(i, "lease_expired", now) for i in expired]
-    found += [events.event(i, "requeued", now, reason="not claimed in time; published again") for i in stale]
-    events.record_many(found)
-    result.lease_expired, result.republished = expired, stale
+    events.record_many(events.event(i, "requeued", now, reason="not claimed in time; published again") for i in stale)
+    result.republished = stale
+
+
+# One row's failure costs that row only: any exception, except the store's own
+# trouble (the database went away, a deadlock, a statement timeout), which is not
+# the row's: that fails the scan, and the next turn tries it all again.
+_STORE_ERRORS = (OperationalError, InterfaceError)
 
 
 def _queue_due(due: list[Run], now: datetime, result: ScanResult) -> list[Run]:
-    """Due runs to `queued` (or to their misfire policy); returns the queued ones."""
+    """Due runs to `queued` (or to their misfire policy); returns the queued ones.
+
+    A run that cannot be handled costs that run only: each late run is handled
+    under a savepoint of its own, and if the one statement that queues the others
+    fails, they are queued one by one. A run that fails alone is set aside
+    (`_set_aside`)."""
     grace = timedelta(seconds=settings.SCHEDULER_MISFIRE_GRACE)
     on_time: list[Run] = []
     late_queued: list[Run] = []
@@ -103,17 +155,104 @@ def _queue_due(due: list[Run], now: datetime, result: ScanResult) -> list[Run]:
             found.append(_misfired(run, now, other_missed_times=0))
             result.misfired += 1
             on_time.append(run)
-        else:
+        elif _handle_late(run, now, result):
+            late_queued.append(run)
+    return _queue_on_time(on_time, found, now, result) + late_queued
+
+
+def _handle_late(run: Run, now: datetime, result: ScanResult) -> bool:
+    """One late run by its job's policy, under a savepoint: if anything in it fails
+    (a stored cron or zone that no longer parses, a clash on insert), its writes
+    are undone and the run is set aside. True when the late run was queued."""
+    mine = ScanResult()
+    try:
+        with transaction.atomic():
             run.job = Job.objects.get(pk=run.job_id)  # the policy needs the whole job
-            if _misfire(run, now, result):
-                late_queued.append(run)
-    ids = [run.pk for run in on_time]
-    if ids:
-        claims.mark_queued(run_ids=ids, now=now)
-        found += [events.event(i, "queued", now) for i in ids]
-        result.queued.extend(ids)
-    events.record_many(found)
-    return on_time + late_queued
+            queued = _misfire(run, now, mine)
+    except _STORE_ERRORS:
+        raise
+    except Exception as exc:  # noqa: BLE001 - one row's failure, whatever it is
+        _set_aside(run, now, exc, result)
+        return False
+    result.add(mine)
+    return queued
+
+
+def _queue_on_time(runs: list[Run], found: list[events.Event], now: datetime, result: ScanResult) -> list[Run]:
+    """The on-time runs to `queued` in one statement; if it fails, one by one
+    (a batch statement is a speed-up, not a unit of failure)."""
+    if not runs:
+        events.record_many(found)
+        return []
+    try:
+        with transaction.atomic():
+            _mark_queued(runs, found, now)
+    except _STORE_ERRORS:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the statement failed on some row: find which
+        logger.warning("queueing %d runs together failed (%s); queueing them one by one", len(runs), exc)
+    else:
+        result.queued.extend(run.pk for run in runs)
+        return runs
+    queued: list[Run] = []
+    for run in runs:
+        try:
+            with transaction.atomic():
+                _mark_queued([run], [e for e in found if e.run_id == run.pk], now)
+        except _STORE_ERRORS:
+            raise
+        except Exception as exc:  # noqa: BLE001 - this row's failure
+            _set_aside(run, now, exc, result)
+            continue
+        queued.append(run)
+        result.queued.append(run.pk)
+    return queued
+
+
+def _mark_queued(runs: list[Run], found: list[events.Event], now: datetime) -> None:
+    ids = [run.pk for run in runs]
+    claims.mark_queued(run_ids=ids, now=now)
+    events.record_many([*found, *(events.event(i, "queued", now) for i in ids)])
+
+
+def _set_aside(run: Run, now: datetime, exc: Exception, result: ScanResult) -> None:
+    """A run the scan cannot handle ends dead, with why on its timeline (`scan_error`,
+    then `dead`), and its owner is told, as for any dead run.
+
+    Dead, not tried again: what failed (a schedule or zone that no longer parses, a
+    row the store refuses) fails the same way next turn, and a run left due would be
+    read and fail on every scan. Like Quartz's ERROR state, it waits for people: fix
+    the job, then requeue the run from the dead list. Its job still gets its next run
+    where that can be worked out (a clash, a refused row), so one bad run does not
+    stop the job; where it cannot (the schedule does not parse) the `dead` event says so.
+    """
+    why = f"{type(exc).__name__}: {exc}"[:1000]
+    reason = f"the scanner could not handle this run: {why}"
+    logger.error("run %s set aside: %s", run.public_id, why)
+    Run.objects.filter(pk=run.pk, status=S.SCHEDULED).update(status=S.DEAD, finished_at=now, last_error=reason[:2000])
+    job = Job.objects.select_related("owner").get(pk=run.job_id)
+    then = _next_after_set_aside(run, job, now)
+    events.record_many([
+        events.event(run.pk, "scan_error", now, reason=why),
+        events.event(run.pk, "dead", now, reason=reason, notified=job.notify or job.owner.email, **then),
+    ])
+    transaction.on_commit(lambda pk=run.pk, why=reason: notify_dead(run_id=pk, reason=why))
+    result.set_aside.append(run.pk)
+
+
+def _next_after_set_aside(run: Run, job: Job, now: datetime) -> dict[str, str]:
+    """The job's next run after a run set aside (none for an extra run), under its
+    own savepoint; what the `dead` event says about it."""
+    if run.is_backfill:
+        return {}
+    try:
+        with transaction.atomic():
+            nxt = run_next_create(job=job, now=now)
+    except _STORE_ERRORS:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever it is, it is said on the timeline
+        return {"next_run_error": f"{type(exc).__name__}: {exc}"[:1000]}
+    return {"next_run": nxt.public_id, "next_scheduled_for": iso_z(nxt.scheduled_for)} if nxt else {}
 
 
 def _deadline(run: Run, grace: timedelta) -> datetime:
@@ -127,23 +266,28 @@ def _deadline(run: Run, grace: timedelta) -> datetime:
 
 def _misfire(run: Run, now: datetime, result: ScanResult) -> bool:
     """A run found past its window plus the grace: the job's misfire policy decides.
-    True when the late run runs now (it is queued here)."""
+    True when the late run runs now (it is queued here).
+
+    Only times that are themselves past their window plus the grace count as
+    missed (schedule.missed_times); the first time that is not is the job's next
+    run under every policy, never skipped."""
     job = run.job
     missed: list[datetime] = []
     missed_count = 0
-    next_future = None
+    next_time = None
     if job.is_recurring:
-        # Keep only the most recent missed times: a job down for a year at one run a
-        # minute would otherwise write 500k `skipped` rows. Keeping the latest ones
-        # means the schedule goes on from now, not from a year ago.
-        recent: deque[datetime] = deque(maxlen=settings.SCHEDULER_MISFIRE_MAX_SKIPPED)
-        for t in schedule.cron_times(job.schedule, job.timezone, run.scheduled_for, now + timedelta(seconds=1)):
-            recent.append(t)
-            missed_count += 1
-        missed = list(recent)
-        next_future = schedule.next_cron_time(job.schedule, job.timezone, max([now, *missed]))
+        found_missed = schedule.missed_times(
+            expr=job.schedule,
+            zone=job.timezone,
+            late_time=run.scheduled_for,
+            now=now,
+            window=timedelta(seconds=job.window_seconds),
+            grace=timedelta(seconds=settings.SCHEDULER_MISFIRE_GRACE),
+            keep=settings.SCHEDULER_MISFIRE_MAX_SKIPPED,
+        )
+        missed, missed_count, next_time = found_missed.latest, found_missed.count, found_missed.next_time
     decision = schedule.misfire_decision(
-        policy=job.misfire, late_time=run.scheduled_for, missed_after=missed, next_future=next_future
+        policy=job.misfire, late_time=run.scheduled_for, missed_after=missed, next_time=next_time
     )
     result.misfired += 1
     found: list[events.Event] = [_misfired(run, now, other_missed_times=missed_count)]

@@ -17,6 +17,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta, timezone
+from typing import Any
 from zoneinfo import ZoneInfo
 
 import pytest
@@ -31,6 +32,7 @@ from jobs.schedule import (
     get_zone,
     misfire_deadline,
     misfire_decision,
+    missed_times,
     next_cron_time,
     parse_duration,
     resolve_at,
@@ -596,36 +598,71 @@ NEXT = z("2026-10-28T14:00")
 
 
 def test_run_once_runs_the_late_run_and_skips_the_other_missed_times() -> None:
-    decision = misfire_decision(policy="run_once", late_time=LATE, missed_after=MISSED, next_future=NEXT)
+    decision = misfire_decision(policy="run_once", late_time=LATE, missed_after=MISSED, next_time=NEXT)
     assert decision == MisfireDecision(run_late=True, skipped_times=MISSED, next_time=None)
 
 
 def test_skip_skips_the_late_run_and_the_others_and_goes_on_at_the_next_future_time() -> None:
-    decision = misfire_decision(policy="skip", late_time=LATE, missed_after=MISSED, next_future=NEXT)
+    decision = misfire_decision(policy="skip", late_time=LATE, missed_after=MISSED, next_time=NEXT)
     assert decision == MisfireDecision(run_late=False, skipped_times=MISSED, next_time=NEXT)
 
 
 def test_run_all_runs_the_late_run_and_leaves_the_others_to_run_in_turn() -> None:
-    decision = misfire_decision(policy="run_all", late_time=LATE, missed_after=MISSED, next_future=NEXT)
+    decision = misfire_decision(policy="run_all", late_time=LATE, missed_after=MISSED, next_time=NEXT)
     assert decision == MisfireDecision(run_late=True, skipped_times=[], next_time=None)
 
 
 @pytest.mark.parametrize(("policy", "runs"), [("run_once", True), ("skip", False), ("run_all", True)])
 def test_a_late_one_off_has_nothing_else_to_skip_and_no_next_time(policy: str, runs: bool) -> None:
-    decision = misfire_decision(policy=policy, late_time=LATE, missed_after=[], next_future=None)
+    decision = misfire_decision(policy=policy, late_time=LATE, missed_after=[], next_time=None)
     assert decision == MisfireDecision(run_late=runs, skipped_times=[], next_time=None)
 
 
 def test_misfire_decision_does_not_share_the_callers_list() -> None:
     missed = list(MISSED)
-    decision = misfire_decision(policy="run_once", late_time=LATE, missed_after=missed, next_future=NEXT)
+    decision = misfire_decision(policy="run_once", late_time=LATE, missed_after=missed, next_time=NEXT)
     missed.clear()
     assert decision.skipped_times == MISSED
 
 
 def test_an_unknown_misfire_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown misfire policy 'later'"):
-        misfire_decision(policy="later", late_time=LATE, missed_after=[], next_future=None)
+        misfire_decision(policy="later", late_time=LATE, missed_after=[], next_time=None)
+
+
+def _missed(now: str, *, window: int = 0, grace: int = 60, keep: int = 1000, expr: str = "* * * * *") -> Any:
+    return missed_times(expr=expr, zone="UTC", late_time=z("2026-10-28T20:30"), now=datetime.fromisoformat(now).replace(tzinfo=UTC),
+                        window=timedelta(seconds=window), grace=timedelta(seconds=grace), keep=keep)
+
+
+def test_a_time_still_inside_its_grace_is_not_missed_and_is_the_next_time() -> None:
+    # Back at 20:32:30 with 60 s grace: 20:31 is past 20:31 + 60 s, 20:32 is only 30 s old.
+    got = _missed("2026-10-28T20:32:30")
+    assert (got.latest, got.count, got.next_time) == ([z("2026-10-28T20:31")], 1, z("2026-10-28T20:32"))
+
+
+def test_a_time_is_missed_only_once_its_window_and_grace_have_both_passed() -> None:
+    # Window 120 s: 20:31 is missed after 20:34:00, not at 20:34:00 itself.
+    assert _missed("2026-10-28T20:34:00", window=120).next_time == z("2026-10-28T20:31")
+    assert _missed("2026-10-28T20:34:01", window=120).latest == [z("2026-10-28T20:31")]
+
+
+def test_with_no_time_missed_the_next_time_is_the_first_after_the_late_one() -> None:
+    got = _missed("2026-10-28T20:30:45", expr="0 * * * *")
+    assert (got.latest, got.count, got.next_time) == ([], 0, z("2026-10-28T21:00"))
+
+
+def test_a_long_outage_keeps_the_latest_missed_times_and_goes_on_after_the_last_of_all() -> None:
+    got = _missed("2026-10-28T22:30:30", keep=3)
+    assert got.count == 119  # 20:31 .. 22:29; 22:30 is still inside its grace
+    assert got.latest == [z("2026-10-28T22:27"), z("2026-10-28T22:28"), z("2026-10-28T22:29")]
+    assert got.next_time == z("2026-10-28T22:30")
+    assert _missed("2026-10-28T22:30:30", keep=0).next_time == z("2026-10-28T22:30")
+
+
+def test_a_stored_schedule_that_no_longer_parses_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="not a valid cron expression"):
+        _missed("2026-10-28T20:32:30", expr="61 * * * *")
 
 
 # ------------------------------------------------------------------ properties

@@ -71,8 +71,9 @@ class Command(BaseCommand):
         return owned
 
     def _report(self, result: ScanResult) -> None:
-        if result.to_publish or result.misfired:
+        if result.to_publish or result.misfired or result.set_aside:
             logger.info(
-                "queued %d, lease expired %d, republished %d, misfired %d, skipped %d",
+                "queued %d, lease expired %d, republished %d, misfired %d, skipped %d, set aside %d",
                 len(result.queued), len(result.lease_expired), len(result.republished), result.misfired, result.skipped,
+                len(result.set_aside),
             )

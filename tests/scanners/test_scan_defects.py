@@ -1,0 +1,268 @@
+"""Issue 12, the scanner's defects: times inside their grace are not missed (6),
+one bad row costs that row only (9), republishing is back-pressured (10).
+
+Real PostgreSQL throughout; where publishing matters, the real Redis broker's
+run queue is read back (kombu's JSON messages), not a stand-in.
+"""
+from __future__ import annotations
+
+import base64
+import json
+from datetime import datetime, timedelta
+from typing import Any, Iterator
+
+import pytest
+import redis
+from django.conf import settings
+from django.db import connection
+from django.test import override_settings
+
+from jobs.models import Job
+from jobs.services import job_create
+from runs import invariants
+from runs.models import Run
+from runs.services import run_next_create
+from scanners import scan
+from scanners.scan import scan_once
+from tests.factories import make_run, utc
+
+pytestmark = pytest.mark.django_db
+S = Run.Status
+ALL = frozenset(range(16))
+T0 = utc("2026-10-28T20:29:30Z")
+BACK = utc("2026-10-28T20:32:30Z")  # the scanner was down over 20:30, 20:31 and 20:32
+
+
+def per_minute(owner: Any, **fields: Any) -> Job:
+    values: dict[str, Any] = {"name": "m", "schedule": "* * * * *", "target": "http://127.0.0.1:9/h"}
+    values.update(fields)
+    return job_create(owner=owner, fields=values, now=T0)
+
+
+def hhmm(when: datetime) -> str:
+    return f"{when:%H:%M}"
+
+
+def times_with(job: Job, status: str) -> list[str]:
+    return [hhmm(r.scheduled_for) for r in Run.objects.filter(job=job, status=status).order_by("scheduled_for")]
+
+
+def finish_as_a_worker_would(run_id: int, now: datetime) -> None:
+    """The run succeeded and its job got its next run (the worker's outcome transaction)."""
+    run = Run.objects.select_related("job").get(pk=run_id)
+    Run.objects.filter(pk=run_id).update(status=S.SUCCEEDED, finished_at=now)
+    run_next_create(job=run.job, now=now)
+
+
+# ------------------------------------------------------------------ defect 6
+
+
+@pytest.mark.embedded
+@override_settings(SCHEDULER_MISFIRE_GRACE=60)
+@pytest.mark.parametrize(
+    ("policy", "ran", "skipped"),
+    [
+        # 20:30 and 20:31 are past their window plus the grace; 20:32 is 30 s old at
+        # 20:32:30, inside its grace: under every policy it runs, on time.
+        ("skip", ["20:32"], ["20:30", "20:31"]),
+        ("run_once", ["20:30", "20:32"], ["20:31"]),
+        ("run_all", ["20:30", "20:31", "20:32"], []),
+    ],
+)
+def test_a_time_still_inside_its_grace_is_not_missed_but_becomes_the_next_run(
+    service: Any, policy: str, ran: list[str], skipped: list[str]
+) -> None:
+    job = per_minute(service.user, misfire=policy)
+    queued: list[str] = []
+    for _ in range(4):  # bounded: a scan per time at most, and one more
+        for run_id in scan_once(partitions=ALL, now=BACK, publish=False).queued:
+            queued.append(hhmm(Run.objects.get(pk=run_id).scheduled_for))
+            finish_as_a_worker_would(run_id, BACK)
+    assert queued == ran
+    assert times_with(job, S.SKIPPED) == skipped
+    on_time = Run.objects.get(job=job, scheduled_for=utc("2026-10-28T20:32:00Z"))
+    assert "misfired" not in on_time.events.values_list("type", flat=True)
+
+
+@pytest.mark.embedded
+@override_settings(SCHEDULER_MISFIRE_GRACE=60)
+def test_a_skipped_late_run_is_followed_by_the_first_time_whose_window_and_grace_have_not_passed(service: Any) -> None:
+    # Window 120 s: 20:30 is late after 20:33:00, 20:31 only after 20:34:00.
+    job = per_minute(service.user, misfire="skip", window_seconds=120)
+    scan_once(partitions=ALL, now=utc("2026-10-28T20:33:30Z"), publish=False)
+    assert times_with(job, S.SKIPPED) == ["20:30"]
+    nxt = Run.objects.get(job=job, status=S.SCHEDULED)
+    assert hhmm(nxt.scheduled_for) == "20:31"
+    assert nxt.scheduled_for <= nxt.due_at <= nxt.scheduled_for + timedelta(seconds=120)
+
+
+# ------------------------------------------------------------------ the broker, read back
+
+
+@pytest.fixture
+def broker() -> Iterator[redis.Redis]:
+    """The run queue on the test's own Redis database, emptied before and after."""
+    if not settings.CELERY_BROKER_URL.startswith("redis"):
+        pytest.skip("reads the Redis run queue")
+    client = redis.Redis.from_url(settings.CELERY_BROKER_URL)
+    client.delete(settings.CELERY_TASK_DEFAULT_QUEUE)
+    yield client
+    client.delete(settings.CELERY_TASK_DEFAULT_QUEUE)
+
+
+def published(client: redis.Redis) -> list[int]:
+    """Every run id in the messages waiting on the run queue (one per copy sent)."""
+    ids: list[int] = []
+    for raw in client.lrange(settings.CELERY_TASK_DEFAULT_QUEUE, 0, -1):
+        message = json.loads(raw)
+        args, _kwargs, _embed = json.loads(base64.b64decode(message["body"]))
+        ids += args[0]
+    return ids
+
+
+# ------------------------------------------------------------------ defect 9
+
+
+def _seventeen_late_jobs(owner: Any, **fields: Any) -> list[Job]:
+    """Seventeen per-minute jobs: over every partition, the first and last in one."""
+    jobs = [per_minute(owner, name=f"m{i}", **fields) for i in range(settings.SCHEDULER_PARTITIONS + 1)]
+    assert jobs[0].partition == jobs[-1].partition
+    return jobs
+
+
+@override_settings(SCHEDULER_MISFIRE_GRACE=60)
+@pytest.mark.parametrize(
+    ("column", "value", "why"),
+    [("schedule", "61 * * * *", "not a valid cron expression"), ("timezone", "Mars/Olympus_Mons", "unknown time zone")],
+)
+def test_a_late_run_whose_stored_schedule_no_longer_parses_costs_that_run_only(
+    service: Any, broker: redis.Redis, column: str, value: str, why: str
+) -> None:
+    jobs = _seventeen_late_jobs(service.user)
+    bad, good = jobs[0], jobs[1:]
+    with connection.cursor() as cursor:  # as a bad migration or a tzdata upgrade would leave it
+        cursor.execute(f"UPDATE jobs SET {column} = %s WHERE id = %s", [value, bad.pk])
+    result = scan_once(partitions=ALL, now=BACK, publish=True)
+    late = {j.pk: Run.objects.get(job=j, scheduled_for=utc("2026-10-28T20:30:00Z")) for j in jobs}
+    # Every good job's late run is queued and published, the one in the bad job's partition too.
+    assert sorted(result.queued) == sorted(late[j.pk].pk for j in good)
+    assert all(late[j.pk].status == S.QUEUED for j in good)
+    assert sorted(published(broker)) == sorted(late[j.pk].pk for j in good)
+    # The bad one is dead, its reason on its timeline, and is not tried again.
+    dead = late[bad.pk]
+    assert dead.status == S.DEAD and why in dead.last_error
+    error = dead.events.get(type="scan_error")
+    assert why in error.detail["reason"]
+    assert dead.events.filter(type="dead").count() == 1
+    again = scan_once(partitions=ALL, now=BACK + timedelta(seconds=1), publish=False)
+    assert dead.pk not in again.queued and dead.events.filter(type="scan_error").count() == 1
+    assert Run.objects.filter(job=bad, status__in=[S.SCHEDULED, S.QUEUED]).count() == 0
+    assert "next_run_error" in dead.events.get(type="dead").detail  # no next time can be worked out
+    assert invariants.timelines() == [] and invariants.one_open_run_per_job() == []
+
+
+@override_settings(SCHEDULER_MISFIRE_GRACE=60)
+def test_a_late_run_whose_next_run_clashes_on_insert_costs_that_run_only(service: Any, broker: redis.Redis) -> None:
+    jobs = _seventeen_late_jobs(service.user, misfire="skip")
+    clashing = jobs[0]
+    for t in ("2026-10-28T20:32:00Z", "2026-10-28T20:33:00Z"):  # the times skip would go on at
+        make_run(clashing, utc(t), is_backfill=True)
+    result = scan_once(partitions=ALL, now=BACK, publish=True)
+    late = Run.objects.get(job=clashing, scheduled_for=utc("2026-10-28T20:30:00Z"))
+    assert late.status == S.DEAD and late.events.filter(type="scan_error").exists()
+    # The other sixteen jobs went on at their next time; everything due was queued.
+    for job in jobs[1:]:
+        assert Run.objects.filter(job=job, status=S.SCHEDULED).count() == 1
+    backfill = Run.objects.get(job=clashing, scheduled_for=utc("2026-10-28T20:32:00Z"))
+    assert backfill.status == S.QUEUED and backfill.pk in published(broker)
+    assert result.skipped >= 16 and result.set_aside == [late.pk]
+    # The job goes on from the run set aside: its next run is the next time.
+    nxt = late.events.get(type="dead").detail["next_scheduled_for"]
+    assert Run.objects.get(job=clashing, status=S.SCHEDULED, is_backfill=False).scheduled_for == utc(nxt)
+    assert invariants.timelines() == [] and invariants.one_open_run_per_job() == []
+
+
+def test_a_run_the_bulk_queue_statement_cannot_write_is_set_aside_and_the_rest_are_queued(
+    service: Any, broker: redis.Redis
+) -> None:
+    jobs = [per_minute(service.user, name=f"m{i}") for i in range(settings.SCHEDULER_PARTITIONS + 1)]
+    runs = {j.pk: Run.objects.get(job=j) for j in jobs}
+    bad = runs[jobs[0].pk]
+    with connection.cursor() as cursor:  # a row the store refuses to queue (rolled back with the test)
+        cursor.execute(
+            """
+            CREATE FUNCTION refuse_one_run() RETURNS trigger AS $$
+            BEGIN
+              IF NEW.id = %s AND NEW.status = 'queued' THEN RAISE EXCEPTION 'this row cannot be queued'; END IF;
+              RETURN NEW;
+            END $$ LANGUAGE plpgsql;
+            CREATE TRIGGER refuse_one_run BEFORE UPDATE ON runs FOR EACH ROW EXECUTE FUNCTION refuse_one_run();
+            """.replace("%s", str(bad.pk))
+        )
+    result = scan_once(partitions=ALL, now=T0 + timedelta(seconds=31), publish=True)
+    good = sorted(r.pk for r in runs.values() if r.pk != bad.pk)
+    assert sorted(result.queued) == good and sorted(published(broker)) == good
+    bad.refresh_from_db()
+    assert bad.status == S.DEAD and "this row cannot be queued" in bad.events.get(type="scan_error").detail["reason"]
+
+
+# ------------------------------------------------------------------ defect 10
+
+# Runs a scan may republish with the queue at its limit (scanners.WHEN_FULL).
+WHEN_FULL = getattr(scan, "REPUBLISH_WHEN_FULL", 10)
+
+
+def _queued_backlog(owner: Any, count: int) -> list[int]:
+    """`count` runs queued at T0 + 31 s, none claimed (the workers are behind)."""
+    for i in range(count):
+        per_minute(owner, name=f"b{i}")
+    queued = scan_once(partitions=ALL, now=T0 + timedelta(seconds=31), publish=False).queued
+    assert len(queued) == count
+    return queued
+
+
+@override_settings(SCHEDULER_MAX_QUEUED=40, SCHEDULER_REQUEUE_AFTER=30)
+def test_a_backlog_at_the_queue_limit_is_not_republished_whole(service: Any, broker: redis.Redis) -> None:
+    backlog = _queued_backlog(service.user, 40)
+    later = T0 + timedelta(seconds=31 + 31)  # every one of them waited past SCHEDULER_REQUEUE_AFTER
+    result = scan_once(partitions=ALL, now=later, publish=True)
+    assert len(result.republished) == WHEN_FULL < len(backlog)
+    assert sorted(published(broker)) == sorted(result.republished)
+
+
+@override_settings(SCHEDULER_MAX_QUEUED=40, SCHEDULER_REQUEUE_AFTER=30)
+def test_lost_messages_of_a_full_queue_are_each_republished_once_oldest_first(service: Any) -> None:
+    backlog = _queued_backlog(service.user, 40)
+    base = T0 + timedelta(seconds=31)
+    for i, run_id in enumerate(backlog):  # distinct queue times: the order to republish in
+        Run.objects.filter(pk=run_id).update(queued_at=base - timedelta(seconds=i))
+    later = base + timedelta(seconds=31)
+    sent: list[int] = []
+    for step in range(len(backlog) // WHEN_FULL + 1):  # bounded
+        sent += scan_once(partitions=ALL, now=later + timedelta(seconds=step), publish=False).republished
+    assert sent == list(reversed(backlog))  # oldest first, each once
+
+
+@override_settings(SCHEDULER_MAX_QUEUED=100, SCHEDULER_REQUEUE_AFTER=30)
+def test_with_room_under_the_queue_limit_every_unclaimed_run_is_republished_at_once(service: Any) -> None:
+    backlog = _queued_backlog(service.user, 20)
+    result = scan_once(partitions=ALL, now=T0 + timedelta(seconds=31 + 31), publish=False)
+    assert sorted(result.republished) == sorted(backlog)
+
+
+@override_settings(SCHEDULER_MAX_QUEUED=40, SCHEDULER_REQUEUE_AFTER=30)
+def test_due_runs_take_the_queues_room_first_and_republishing_gets_what_is_left(service: Any) -> None:
+    backlog = _queued_backlog(service.user, 40)
+    Run.objects.filter(pk__in=backlog[:20]).update(status=S.SUCCEEDED)  # the workers took 20
+    fresh = [per_minute(service.user, name=f"f{i}") for i in range(5)]  # due at 20:30, not queued yet
+    result = scan_once(partitions=ALL, now=T0 + timedelta(seconds=31 + 31), publish=False)
+    assert sorted(result.queued) == sorted(Run.objects.get(job=j).pk for j in fresh)
+    assert len(result.republished) == 40 - 20 - 5  # the room left after the due runs
+
+
+def test_the_republish_budget_is_the_room_left_at_least_a_few_at_most_a_batch() -> None:
+    assert scan.republish_budget(room_left=300, batch=500) == 300
+    assert scan.republish_budget(room_left=3000, batch=500) == 500
+    assert scan.republish_budget(room_left=0, batch=500) == scan.REPUBLISH_WHEN_FULL
+    assert scan.republish_budget(room_left=-20, batch=500) == scan.REPUBLISH_WHEN_FULL
+    assert scan.republish_budget(room_left=0, batch=4) == 4
