@@ -89,19 +89,24 @@ COUNTED = (S.SUCCEEDED, S.DEAD, S.SKIPPED)
 MAX_TAKEN_TIMES = 100
 
 
-def jobs_lock(job_ids: Iterable[int]) -> dict[int, Job]:
+def jobs_lock(job_ids: Iterable[int], *, nowait: bool = False) -> dict[int, Job]:
     """The jobs as they are now, their rows locked until the transaction ends.
 
     FOR NO KEY UPDATE: it waits for (and makes wait) an edit, a pause, a resume or a
     delete of the same job, but not the foreign-key checks of runs being inserted
     for it. In id order, so two transactions locking some of the same jobs cannot
     deadlock. A job missing from the answer no longer exists.
+
+    `nowait`: raise (django.db.OperationalError) at once if another transaction
+    holds one of them, for a caller that already holds run rows (the scanner):
+    waiting there could deadlock with an edit, which locks the job, then its runs.
     """
     assert connection.in_atomic_block, "a job's lock lasts its transaction"
     ids = sorted(set(job_ids))
     if not ids:
         return {}
-    return {job.pk: job for job in Job.objects.select_for_update(no_key=True).filter(pk__in=ids).order_by("pk")}
+    locked = Job.objects.select_for_update(no_key=True, nowait=nowait).filter(pk__in=ids).order_by("pk")
+    return {job.pk: job for job in locked}
 
 
 def job_next_run_time(job: Job, *, latest: datetime | None, since: datetime | None, now: datetime) -> datetime:
@@ -128,15 +133,17 @@ def job_next_run_time(job: Job, *, latest: datetime | None, since: datetime | No
     return schedule.next_cron_time(job.schedule, job.timezone, max(marks) if marks else now)
 
 
-def job_next_run(*, job: Job, now: datetime, since: datetime | None = None, reason: str = "") -> Run | None:
+def job_next_run(
+    *, job: Job, now: datetime, since: datetime | None = None, reason: str = "", nowait: bool = False
+) -> Run | None:
     """Lock the job, then decide and create its next normal run (see job_next_runs).
 
     Returns the job's open normal run if it already has one, the new (or reopened)
     run, or None: deleted, or a one-off whose time has had its run (the job is
-    then `completed`). Its own transaction, or the caller's.
+    then `completed`). Its own transaction, or the caller's; `nowait` as in jobs_lock.
     """
     with transaction.atomic():
-        locked = jobs_lock([job.pk]).get(job.pk)
+        locked = jobs_lock([job.pk], nowait=nowait).get(job.pk)
         if locked is None:
             return None
         existing = Run.objects.filter(job=locked, status__in=Run.OPEN, is_backfill=False).first()
