@@ -6,6 +6,7 @@ a run is in flight, and when the next time already has a run (issue 12, defects 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
 from typing import Any
@@ -321,3 +322,61 @@ def test_a_delete_cancels_the_jobs_backfills_and_triggered_runs(service: Any, ta
     assert not Run.objects.filter(job=job, status__in=Run.OPEN).exists()
     assert Run.objects.filter(job=job, status=S.CANCELLED).count() == 3
 
+
+
+def test_a_pause_committing_while_the_outcome_is_written_is_seen(service: Any, target: GatedTarget) -> None:
+    # The pause's transaction is open when the call ends: the outcome's transaction
+    # waits for the job's row (jobs_lock) and then sees the job paused. Without the
+    # lock it would create an unheld next run that the pause, having already read
+    # the job's waiting runs, never holds.
+    job = create(service.user, target.url("/ok"))
+    run = queue_now(job)
+    in_pause, commit_pause = threading.Event(), threading.Event()
+
+    def pauser() -> None:
+        from django.db import transaction
+
+        try:
+            with transaction.atomic():
+                job_pause(job=job)
+                in_pause.set()
+                commit_pause.wait(DEADLINE)
+        finally:
+            connection.close()
+
+    outcome: list[str] = []
+
+    def worker() -> None:
+        try:
+            outcome.append(run_execute(run_id=run.pk, worker="w-gated"))
+        finally:
+            connection.close()
+
+    target.gate.clear()
+    threads = [threading.Thread(target=worker), threading.Thread(target=pauser)]
+    threads[0].start()
+    try:
+        assert target.entered.wait(DEADLINE)
+        threads[1].start()
+        assert in_pause.wait(DEADLINE)
+        target.gate.set()
+        # The worker either waits on a lock (the job's row) or, unfixed, finishes.
+        deadline = time.monotonic() + DEADLINE
+        while threads[0].is_alive() and not waiting_on_a_lock() and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        target.gate.set()
+        commit_pause.set()
+        for thread in threads:
+            thread.join(DEADLINE)
+    assert outcome == ["succeeded"]
+    [nxt] = open_normal_runs(job)
+    assert nxt.held
+
+
+def waiting_on_a_lock() -> bool:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        )
+        return bool(cursor.fetchone()[0])
