@@ -113,11 +113,14 @@ def test_after_a_schedule_edit_the_next_run_follows_the_new_schedule(service: An
 
 
 def test_a_cancelled_run_never_sets_where_the_schedule_goes_on(service: Any, target: GatedTarget) -> None:
-    # Every 5 minutes -> hourly -> every 5 minutes: the hourly run was cancelled by the second edit.
+    # Every 5 minutes -> yearly -> every 5 minutes: the first edit cancels the 5-minute
+    # run, the second the yearly one and opens the 5-minute run's row again.
     job = create(service.user, target.url("/ok"))
-    job_update(job=job, fields={"schedule": "0 * * * *"})
+    first = Run.objects.get(job=job)
+    job_update(job=job, fields={"schedule": "0 0 1 1 *"})
     job_update(job=job, fields={"schedule": EVERY_5})
     run = queue_now(job)
+    assert run.pk == first.pk
     assert run_execute(run_id=run.pk) == "succeeded"
     [nxt] = open_normal_runs(job)
     assert nxt.scheduled_for == next_cron(EVERY_5, run.scheduled_for)
