@@ -235,6 +235,17 @@ def test_a_cron_job_made_one_off_during_the_call_gets_no_run_on_the_old_cron(
     assert nxt.scheduled_for == at  # the one-off's own run, not the old cron's next time
 
 
+def test_a_schedule_edited_during_the_call_gives_the_next_run_on_the_new_schedule(
+    service: Any, target: GatedTarget
+) -> None:
+    job = create(service.user, target.url("/ok"))
+    run = queue_now(job)
+    edit = lambda: job_update(job=job, fields={"schedule": "0 0 1 1 *"})  # noqa: E731
+    assert during_the_call(target, run, edit) == "succeeded"
+    [nxt] = open_normal_runs(job)
+    assert nxt.scheduled_for == next_cron("0 0 1 1 *", run.scheduled_for)  # not five minutes on
+
+
 def test_a_one_off_made_cron_during_the_call_is_not_completed(service: Any, target: GatedTarget) -> None:
     at = (timezone.now() + timedelta(seconds=30)).replace(microsecond=0)
     job = create(service.user, target.url("/ok"), schedule="", run_at=at)
