@@ -15,7 +15,7 @@ from jobs.secrets import encrypt_headers, split_headers
 from runs import events
 from runs.delivery import iso_z
 from runs.models import Run
-from runs.services import is_held, run_create
+from runs.services import is_held, job_next_run, job_next_run_time, run_create
 
 S = Run.Status
 # Fields whose change replaces the waiting run.
@@ -27,10 +27,8 @@ class BackfillError(ValueError):
 
 
 def first_run_time(job: Job, now: datetime) -> datetime:
-    if job.is_recurring:
-        return schedule.next_cron_time(job.schedule, job.timezone, now)
-    assert job.run_at is not None
-    return job.run_at
+    """The first run's time of a job whose timing starts at `now` (job_next_run_time's rule)."""
+    return job_next_run_time(job, latest=None, since=now, now=now)
 
 
 def _apply_headers(job: Job, headers: dict[str, str] | None, secret_names: list[str] | None) -> None:
@@ -54,7 +52,7 @@ def job_create(*, owner: Any, fields: dict[str, Any], now: datetime | None = Non
     _apply_headers(job, headers or {}, secret_names or [])
     job.state = Job.State.PAUSED if job.paused else Job.State.ACTIVE
     job.save()
-    run_create(job=job, scheduled_for=first_run_time(job, now), now=now)
+    job_next_run(job=job, now=now, since=now)
     return job
 
 
@@ -108,7 +106,7 @@ def job_update(*, job: Job, fields: dict[str, Any], now: datetime | None = None)
         job.state = Job.State.PAUSED if job.paused else Job.State.ACTIVE
         job.save(update_fields=["state", "updated_at"])
         if open_run(job) is None:
-            _create_or_reopen_run(job, first_run_time(job, now), now)
+            _next_run_after_edit(job, now)
     if paused is True and not job.paused:
         job_pause(job=job, now=now)
     elif paused is False and job.paused:
@@ -118,6 +116,10 @@ def job_update(*, job: Job, fields: dict[str, Any], now: datetime | None = None)
 
 
 def _replace_waiting_run(job: Job, now: datetime) -> None:
+    """A changed timing: the waiting run (not yet on its way) makes way for the run
+    the new timing gives, from the edit on (runs.services.job_next_run decides it).
+    A run queued, running or retrying stays; its end makes the next run, under the
+    new timing (the worker's outcome reads the job again)."""
     waiting = open_run(job, lock=True)
     if waiting is not None and (waiting.status != S.SCHEDULED or waiting.attempt > 0):
         return  # on its way or retrying: the new timing applies from the next run on
@@ -133,60 +135,65 @@ def _replace_waiting_run(job: Job, now: datetime) -> None:
     if waiting is not None:
         Run.objects.filter(pk=waiting.pk).update(status=S.CANCELLED, finished_at=now)
         events.record(waiting.pk, "cancelled", now, reason="the job's timing changed")
-    _create_or_reopen_run(job, new_time, now)
+    _next_run_after_edit(job, now)
 
 
-def _create_or_reopen_run(job: Job, when: datetime, now: datetime) -> Run:
-    """The job's run at `when`. A time can already have a row (one run per job and time):
-    a run cancelled by an earlier change (schedule A -> B -> A) is opened again; a run
-    that already happened is a ValueError, so the caller hears why (the API's 400)."""
-    reason = "the job's timing changed"
-    earlier = Run.objects.select_for_update().filter(job=job, scheduled_for=when).first()
-    if earlier is None:
-        return run_create(job=job, scheduled_for=when, now=now, reason=reason)
-    if earlier.status != S.CANCELLED:
-        raise ValueError(f"{job.public_id} already has a run at {iso_z(when)} ({earlier.status}); choose another time")
-    due_at = schedule.spread_due_at(job.pk, when, timedelta(seconds=job.window_seconds))
-    Run.objects.filter(pk=earlier.pk).update(
-        status=S.SCHEDULED, due_at=due_at, held=is_held(job), finished_at=None, queued_at=None,
-        is_backfill=False,
-    )
-    events.record(earlier.pk, "scheduled", now, scheduled_for=iso_z(when), due_at=iso_z(due_at), reason=reason)
-    earlier.refresh_from_db()
-    return earlier
+def _next_run_after_edit(job: Job, now: datetime) -> Run | None:
+    """The job's next run under its new timing, from the edit on (job_next_run). A
+    one-off's new time that already has a run that happened (or an extra run) is a
+    ValueError, so the caller hears why (the API's 400); a cron time that has one
+    is covered by it, and job_next_run moves on to the next."""
+    if not job.is_recurring:
+        earlier = Run.objects.filter(job=job, scheduled_for=job.run_at).exclude(status=S.CANCELLED).first()
+        if earlier is not None:
+            raise ValueError(
+                f"{job.public_id} already has a run at {iso_z(earlier.scheduled_for)} ({earlier.status}); "
+                "choose another time"
+            )
+    return job_next_run(job=job, now=now, since=now, reason="the job's timing changed")
 
 
 def _live(job: Job) -> models.QuerySet[Job]:
     return Job.objects.filter(pk=job.pk, state__in=(Job.State.ACTIVE, Job.State.PAUSED))
 
 
+def _waiting_runs(job: Job) -> models.QuerySet[Run]:
+    """Every run of the job not yet on its way: its own waiting run, and its extra
+    runs (backfills, run-now, dead runs requeued)."""
+    return Run.objects.filter(job=job, status__in=(S.SCHEDULED, S.QUEUED))
+
+
 @transaction.atomic
 def job_pause(*, job: Job, now: datetime | None = None) -> Job:
-    """Its open run does not start while paused (a run already running finishes)."""
+    """Every waiting run of the job (its own, and its backfills and run-now runs) is
+    held; a run already running finishes, and what follows it is created held."""
     now = now or timezone.now()
-    Job.objects.filter(pk=job.pk).update(paused=True, updated_at=now)
+    Job.objects.filter(pk=job.pk).update(paused=True, updated_at=now)  # locks the job first
     # Only a live job's state follows `paused`: a completed or deleted one keeps its state.
     _live(job).update(state=Job.State.PAUSED)
-    waiting = open_run(job, lock=True)
-    if waiting is not None and waiting.status in (S.SCHEDULED, S.QUEUED):
-        # A queued message then finds nothing to claim.
-        Run.objects.filter(pk=waiting.pk).update(held=True, status=S.SCHEDULED, queued_at=None)
-        events.record(waiting.pk, "held", now, reason="job paused")
+    ids = list(_waiting_runs(job).filter(held=False).select_for_update().values_list("pk", flat=True))
+    # A queued one goes back to scheduled: its message then finds nothing to claim.
+    Run.objects.filter(pk__in=ids).update(held=True, status=S.SCHEDULED, queued_at=None)
+    events.record_many(events.event(pk, "held", now, reason="job paused") for pk in ids)
     job.refresh_from_db()
     return job
 
 
 @transaction.atomic
 def job_resume(*, job: Job, now: datetime | None = None) -> Job:
-    """The waiting run is released; the scanner applies the misfire policy if it is late."""
+    """Every run the pause held is released (unless its target host is paused); the
+    scanner applies the misfire policy to one that is late. A live job with no
+    waiting run of its own gets one (job_next_run)."""
     now = now or timezone.now()
-    Job.objects.filter(pk=job.pk).update(paused=False, updated_at=now)
+    Job.objects.filter(pk=job.pk).update(paused=False, updated_at=now)  # locks the job first
     _live(job).update(state=Job.State.ACTIVE)
     job.refresh_from_db()
-    waiting = open_run(job, lock=True)
-    if waiting is not None and waiting.held and not is_held(job):
-        Run.objects.filter(pk=waiting.pk).update(held=False)
-        events.record(waiting.pk, "released", now, reason="job resumed")
+    if not is_held(job):  # else its target host is paused: target_resume releases them
+        ids = list(_waiting_runs(job).filter(held=True).select_for_update().values_list("pk", flat=True))
+        Run.objects.filter(pk__in=ids).update(held=False)
+        events.record_many(events.event(pk, "released", now, reason="job resumed") for pk in ids)
+    if job.state == Job.State.ACTIVE and open_run(job) is None:
+        job_next_run(job=job, now=now)
     return job
 
 
@@ -233,6 +240,11 @@ def backfill_plan(*, job: Job, since: datetime, until: datetime, now: datetime) 
 def job_backfill(*, job: Job, times: list[datetime], now: datetime | None = None) -> list[Run]:
     """Create backfill runs; a time that got a run meanwhile is left alone."""
     now = now or timezone.now()
+    # The job as it is now, locked: a pause or a delete that lands meanwhile is seen
+    # (a backfill of a paused job is created held; of a deleted one, not at all).
+    job = Job.objects.select_for_update().get(pk=job.pk)
+    if job.state == Job.State.DELETED:
+        raise BackfillError(f"{job.public_id} is deleted")
     created = []
     for t in times:
         if Run.objects.filter(job=job, scheduled_for=t).exists():

@@ -10,13 +10,14 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.core.mail import send_mail
 from django.db import connection, transaction
-from django.db.models import Max
+from django.db.models import Max, Q
 from django.utils import timezone
 
 from jobs import schedule
@@ -67,21 +68,209 @@ def run_create(
 
 
 def run_next_create(*, job: Job, now: datetime) -> Run | None:
-    """The job's next run, after its latest one; a one-off is completed instead.
+    """The job's next run (kept for callers of the old name): see job_next_run."""
+    return job_next_run(job=job, now=now)
 
-    Called in the same transaction that ends the previous run, so a job always
-    has exactly one run waiting.
+
+# --------------------------------------------------------------------------- the next run
+#
+# "What is this job's next run?" is answered here and nowhere else: the worker's
+# outcome, an edit, a resume, a job's creation (and the scanner's misfire path) all
+# call job_next_run / job_next_runs, from the job as it is inside the writing
+# transaction, its row locked.
+
+# The rows that say how far a job's timetable has got: its time was lived through,
+# whether the run happened (succeeded, dead) or was missed (a misfire's `skipped`
+# row). A cancelled row never does: an edit or a delete cancelled it before its time,
+# so the time was not lived through. Extra runs (backfills, run-now, dead runs
+# requeued) never do either: the job's own timetable goes on without them.
+COUNTED = (S.SUCCEEDED, S.DEAD, S.SKIPPED)
+# A job whose next times are all taken (by extra runs) gets no next run past this many tries.
+MAX_TAKEN_TIMES = 100
+
+
+def jobs_lock(job_ids: Iterable[int], *, nowait: bool = False) -> dict[int, Job]:
+    """The jobs as they are now, their rows locked until the transaction ends.
+
+    FOR NO KEY UPDATE: it waits for (and makes wait) an edit, a pause, a resume or a
+    delete of the same job, but not the foreign-key checks of runs being inserted
+    for it. In id order, so two transactions locking some of the same jobs cannot
+    deadlock. A job missing from the answer no longer exists.
+
+    `nowait`: raise (django.db.OperationalError) at once if another transaction
+    holds one of them, for a caller that already holds run rows (the scanner):
+    waiting there could deadlock with an edit, which locks the job, then its runs.
     """
-    if job.state == Job.State.DELETED:
-        return None
+    assert connection.in_atomic_block, "a job's lock lasts its transaction"
+    ids = sorted(set(job_ids))
+    if not ids:
+        return {}
+    locked = Job.objects.select_for_update(no_key=True, nowait=nowait).filter(pk__in=ids).order_by("pk")
+    return {job.pk: job for job in locked}
+
+
+def job_next_run_time(job: Job, *, latest: datetime | None, since: datetime | None, now: datetime) -> datetime:
+    """When the job's next normal run is due by its timing alone (the one rule).
+
+    A one-off: its `run_at`. A recurring job: the first cron time strictly after
+    the *after instant*, which is the latest of
+
+    - `latest`: the latest `scheduled_for` of the job's counted runs (COUNTED: not
+      cancelled, not extra), the run that has just ended included, and
+    - `since`: the instant its timing was last changed, when the caller is that
+      change (an edit's new schedule starts from the edit, never earlier),
+
+    and `now` when there is neither (a new job). So after an edit
+    `0 0 1 1 *` -> `*/5 * * * *` the next run follows the new schedule from the
+    edit, or from the end of the run that was in flight during the edit; never from
+    the cancelled 1 January run. A time in the past is still the next time: it is
+    due at once, and the scanner's misfire policy decides if it is late.
+    """
     if not job.is_recurring:
-        Job.objects.filter(pk=job.pk).exclude(state=Job.State.DELETED).update(
+        assert job.run_at is not None
+        return job.run_at
+    marks = [t for t in (latest, since) if t is not None]
+    return schedule.next_cron_time(job.schedule, job.timezone, max(marks) if marks else now)
+
+
+def job_next_run(
+    *, job: Job, now: datetime, since: datetime | None = None, reason: str = "", nowait: bool = False
+) -> Run | None:
+    """Lock the job, then decide and create its next normal run (see job_next_runs).
+
+    Returns the job's open normal run if it already has one, the new (or reopened)
+    run, or None: deleted, or a one-off whose time has had its run (the job is
+    then `completed`). Its own transaction, or the caller's; `nowait` as in jobs_lock.
+    """
+    with transaction.atomic():
+        locked = jobs_lock([job.pk], nowait=nowait).get(job.pk)
+        if locked is None:
+            return None
+        existing = Run.objects.filter(job=locked, status__in=Run.OPEN, is_backfill=False).first()
+        if existing is not None:
+            return existing
+        created, found = job_next_runs(jobs=[locked], now=now, since=since, reason=reason)
+        events.record_many(found)
+        return created.get(locked.pk)
+
+
+def job_next_runs(
+    *, jobs: list[Job], now: datetime, since: datetime | None = None, reason: str = ""
+) -> tuple[dict[int, Run], list[events.Event]]:
+    """The next normal run of each job, for jobs that have none open (a run of
+    theirs has just ended, or the waiting one was cancelled by an edit).
+
+    `jobs` must be locked by this transaction (jobs_lock) and read under that lock:
+    the answer follows the job as it is now, not as a worker read it before a call
+    (paused: the run is created held; deleted: no run; one-off <-> cron: the new
+    timing). The times come from job_next_run_time. Inserted together (COPY); a
+    time that already has a row costs that job only: a cancelled row there is
+    opened again, any other row (an extra run, or a run that happened) covers that
+    time, so a recurring job moves on to its next cron time, and a one-off is
+    `completed`. Returns the new run by job id, and their `scheduled` events (for
+    the caller to write with its own).
+    """
+    live = [job for job in jobs if job.state != Job.State.DELETED]
+    done = _one_offs_done([job for job in live if not job.is_recurring])
+    _complete(done, now)
+    live = [job for job in live if job.pk not in done]
+    if not live:
+        return {}, []
+    latest = _latest_counted([job.pk for job in live if job.is_recurring])
+    held = _held_jobs(live)
+    rows = [
+        _open_row(job, job_next_run_time(job, latest=latest.get(job.pk), since=since, now=now), job.pk in held)
+        for job in live
+    ]
+    inserted, refused = bulk.insert_open_runs(rows)
+    created = {r.job_id: r for r in inserted}
+    jobs_by_id = {job.pk: job for job in live}
+    for row in refused:
+        run = _place_after_clash(jobs_by_id[row.job_id], row, now)
+        if run is not None:
+            created[run.job_id] = run
+    detail = {"reason": reason} if reason else {}
+    found = [
+        events.event(r.pk, "scheduled", now, scheduled_for=delivery.iso_z(r.scheduled_for),
+                     due_at=delivery.iso_z(r.due_at), **detail)
+        for r in created.values()
+    ]
+    return created, found
+
+
+def _open_row(job: Job, when: datetime, held: bool) -> Run:
+    due_at = schedule.spread_due_at(job.pk, when, timedelta(seconds=job.window_seconds))
+    return Run(job=job, scheduled_for=when, due_at=due_at, partition=job.partition, held=held)
+
+
+def _latest_counted(job_ids: list[int]) -> dict[int, datetime]:
+    if not job_ids:
+        return {}
+    return dict(
+        Run.objects.filter(job_id__in=job_ids, is_backfill=False, status__in=COUNTED)
+        .values("job_id")
+        .annotate(t=Max("scheduled_for"))
+        .values_list("job_id", "t")
+    )
+
+
+def _one_offs_done(one_offs: list[Job]) -> set[int]:
+    """One-offs whose time has a row that is not cancelled: it has had its run."""
+    if not one_offs:
+        return set()
+    at_time = Q()
+    for job in one_offs:
+        at_time |= Q(job_id=job.pk, scheduled_for=job.run_at)
+    return set(Run.objects.filter(at_time).exclude(status=S.CANCELLED).values_list("job_id", flat=True))
+
+
+def _complete(job_ids: set[int], now: datetime) -> None:
+    if job_ids:
+        Job.objects.filter(pk__in=list(job_ids)).exclude(state=Job.State.DELETED).update(
             state=Job.State.COMPLETED, updated_at=now
         )
-        return None
-    latest = Run.objects.filter(job=job, is_backfill=False).aggregate(t=Max("scheduled_for"))["t"]
-    after = latest or now
-    return run_create(job=job, scheduled_for=schedule.next_cron_time(job.schedule, job.timezone, after), now=now)
+
+
+def _held_jobs(jobs: list[Job]) -> set[int]:
+    """The jobs whose new runs are created held (is_held, for many jobs in one read)."""
+    hosts = paused_target_hosts({target_host(job.target) for job in jobs if not job.paused})
+    return {job.pk for job in jobs if job.paused or target_host(job.target) in hosts}
+
+
+def _place_after_clash(job: Job, row: Run, now: datetime) -> Run | None:
+    """A next run whose insert was refused: the job already has an open run (it is
+    the next one), or its time has a row (see job_next_runs). Bounded."""
+    when = row.scheduled_for
+    for _ in range(MAX_TAKEN_TIMES):
+        existing = Run.objects.filter(job=job, status__in=Run.OPEN, is_backfill=False).first()
+        if existing is not None:
+            return None  # made meanwhile, by a path that holds no lock on the job: it stands
+        earlier = Run.objects.select_for_update().filter(job=job, scheduled_for=when).first()
+        if earlier is not None and earlier.status == S.CANCELLED:
+            return run_reopen(run=earlier, job=job, now=now, held=row.held)
+        if earlier is not None and not job.is_recurring:
+            _complete({job.pk}, now)
+            return None
+        if earlier is not None:  # taken: an extra run (or a run that happened) covers it
+            when = schedule.next_cron_time(job.schedule, job.timezone, when)
+        inserted, _ = bulk.insert_open_runs([_open_row(job, when, row.held)])
+        if inserted:
+            return inserted[0]
+    logger.error("%s: no free time for its next run after %d tries", job.public_id, MAX_TAKEN_TIMES)
+    return None
+
+
+def run_reopen(*, run: Run, job: Job, now: datetime, held: bool) -> Run:
+    """A cancelled run becomes the job's waiting run again (its time is unique per
+    job, so schedule A -> B -> A finds A's cancelled row there). Its `scheduled`
+    event is the caller's to write."""
+    due_at = schedule.spread_due_at(job.pk, run.scheduled_for, timedelta(seconds=job.window_seconds))
+    Run.objects.filter(pk=run.pk).update(
+        status=S.SCHEDULED, due_at=due_at, held=held, finished_at=None, queued_at=None, is_backfill=False,
+        last_error="",
+    )
+    run.refresh_from_db()
+    return run
 
 
 class Heartbeat:
@@ -363,7 +552,8 @@ def _answered_event(run: Run, claim: Claim, result: CallResult, now: datetime) -
 
 
 def _decide(call: Call, now: datetime) -> tuple[claims.Outcome, str]:
-    """The outcome a finished call asks for, and the dead reason if it is one."""
+    """The outcome a finished call asks for, and the dead reason if it is one.
+    `call.run.job` is the job as it is now (locked: run_record_outcomes)."""
     run, job, claim, result = call.run, call.run.job, call.claim, call.result
     if call.refusal:
         return claims.Outcome(run.pk, claim.fence, S.DEAD, now, error=call.refusal), call.refusal
@@ -371,6 +561,9 @@ def _decide(call: Call, now: datetime) -> tuple[claims.Outcome, str]:
     if result.ok:
         return claims.Outcome(run.pk, claim.fence, S.SUCCEEDED, now), ""
     tries = claim.attempt - run.attempt_base  # calls in this round (a requeue starts a new one)
+    if result.retryable and tries <= job.retry_max and job.state == Job.State.DELETED:
+        # Deleted during the call: its waiting runs were cancelled, and so is this retry.
+        return claims.Outcome(run.pk, claim.fence, S.CANCELLED, now, error=result.describe()), ""
     if result.retryable and tries <= job.retry_max:
         due_at = now + schedule.retry_delay(
             attempt=tries,
@@ -392,21 +585,33 @@ def _decide(call: Call, now: datetime) -> tuple[claims.Outcome, str]:
 def run_record_outcomes(calls: list[Call]) -> dict[int, str]:
     """One transaction for a batch: each outcome under its fence, the events, and
     the next run of every run that ended (or the retry, as a row). An ended run's
-    `succeeded` or `dead` event names its job's next run (`next_run`)."""
+    `succeeded` or `dead` event names its job's next run (`next_run`).
+
+    The batch's jobs are locked first (jobs_lock: before any run row, the order an
+    edit, a pause or a delete takes them in) and read again: what the outcome leads
+    to follows the job as it is now, whatever happened to it during the call.
+    """
     if not calls:
         return {}
-    now = timezone.now()
-    decided = [(call, *_decide(call, now)) for call in calls]
     with transaction.atomic():
+        jobs = jobs_lock(call.run.job_id for call in calls)
+        for call in calls:
+            call.run.job = jobs.get(call.run.job_id) or call.run.job
+        now = timezone.now()
+        decided = [(call, *_decide(call, now)) for call in calls]
         landed = claims.record_outcomes([outcome for _, outcome, _ in decided])
+        found = _hold_retries(
+            [c.run for c, o, _ in decided if c.run.pk in landed and o.status == S.SCHEDULED], now
+        )
         ended = [c.run for c, o, _ in decided if c.run.pk in landed and o.status != S.SCHEDULED]
-        found, following = _next_runs([r for r in ended if not r.is_backfill], now)
+        new_runs, scheduled = job_next_runs(jobs=[r.job for r in ended if not r.is_backfill], now=now)
+        found += scheduled
         outcomes: dict[int, str] = {}
         for call, outcome, reason in decided:
             run, claim = call.run, call.claim
             if call.result is not None:
                 found.append(_answered_event(run, claim, call.result, now))
-            nxt = following.get(run.pk)
+            nxt = new_runs.get(run.job_id) if not run.is_backfill else None
             then = {"next_run": nxt.public_id, "next_scheduled_for": delivery.iso_z(nxt.scheduled_for)} if nxt else {}
             if run.pk not in landed:
                 # The lease was taken over: the store refuses this holder's outcome.
@@ -420,6 +625,9 @@ def run_record_outcomes(calls: list[Call]) -> dict[int, str]:
                 found.append(events.event(run.pk, "retry_scheduled", now, due_at=delivery.iso_z(outcome.due_at),
                                           fence=claim.fence))
                 outcomes[run.pk] = "retry_scheduled"
+            elif outcome.status == S.CANCELLED:
+                found.append(events.event(run.pk, "cancelled", now, reason="job deleted", fence=claim.fence))
+                outcomes[run.pk] = "cancelled"
             else:
                 recipient = run.job.notify or run.job.owner.email
                 found.append(events.event(run.pk, "dead", now, reason=reason, notified=recipient, fence=claim.fence,
@@ -430,45 +638,15 @@ def run_record_outcomes(calls: list[Call]) -> dict[int, str]:
     return outcomes
 
 
-def _next_runs(ended: list[Run], now: datetime) -> tuple[list[events.Event], dict[int, Run]]:
-    """The next run of each job whose run ended, created together (backfills are
-    extra runs: the job's own timetable goes on without them). Returns each new
-    run's `scheduled` event, and the new run by the ended run's id."""
-    jobs = {run.job_id: run.job for run in ended if run.job.state != Job.State.DELETED}
-    one_offs = [pk for pk, job in jobs.items() if not job.is_recurring]
-    if one_offs:
-        Job.objects.filter(pk__in=one_offs).exclude(state=Job.State.DELETED).update(
-            state=Job.State.COMPLETED, updated_at=now
-        )
-    recurring = {pk: job for pk, job in jobs.items() if job.is_recurring}
-    if not recurring:
-        return [], {}
-    latest = dict(
-        Run.objects.filter(job_id__in=list(recurring), is_backfill=False)
-        .values("job_id")
-        .annotate(t=Max("scheduled_for"))
-        .values_list("job_id", "t")
-    )
-    paused_hosts = paused_target_hosts({target_host(job.target) for job in recurring.values()})
-    rows = []
-    for pk, job in recurring.items():
-        when = schedule.next_cron_time(job.schedule, job.timezone, latest.get(pk) or now)
-        rows.append(
-            Run(
-                job=job,
-                scheduled_for=when,
-                due_at=schedule.spread_due_at(pk, when, timedelta(seconds=job.window_seconds)),
-                partition=job.partition,
-                held=job.paused or target_host(job.target) in paused_hosts,
-            )
-        )
-    created = bulk.insert_open_runs(rows)
-    new_by_job = {r.job_id: r for r in created}
-    found = [
-        events.event(r.pk, "scheduled", now, scheduled_for=delivery.iso_z(r.scheduled_for), due_at=delivery.iso_z(r.due_at))
-        for r in created
-    ]
-    return found, {run.pk: new_by_job[run.job_id] for run in ended if run.job_id in new_by_job}
+def _hold_retries(retried: list[Run], now: datetime) -> list[events.Event]:
+    """A retry row of a job paused (or on a paused target host) during the call is
+    held, like every other waiting run of it: the resume releases it."""
+    held = _held_jobs(list({run.job_id: run.job for run in retried}.values())) if retried else set()
+    ids = [run.pk for run in retried if run.job_id in held]
+    if not ids:
+        return []
+    Run.objects.filter(pk__in=ids, status=S.SCHEDULED).update(held=True)
+    return [events.event(pk, "held", now, reason="job or target paused during the call") for pk in ids]
 
 
 def paused_target_hosts(hosts: set[str]) -> set[str]:

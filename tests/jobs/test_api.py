@@ -102,7 +102,8 @@ def test_a_failure_after_the_job_insert_leaves_neither_row(
         inserted.append(job.pk)  # the job row exists at this point
         raise RuntimeError("the database went away")
 
-    monkeypatch.setattr(jobs.services, "run_create", explode)
+    # The first run is made by job_next_run (the one place a job's next run is decided).
+    monkeypatch.setattr(jobs.services, "job_next_run", explode)
     client = APIClient(raise_request_exception=False)
     client.credentials(HTTP_AUTHORIZATION=f"Token {service.token}")
     before = row_counts()
@@ -110,7 +111,7 @@ def test_a_failure_after_the_job_insert_leaves_neither_row(
     response = client.post(JOBS, NIGHTLY, format="json")
 
     assert response.status_code == 500
-    assert inserted, "run_create was never reached"
+    assert inserted, "job_next_run was never reached"
     assert row_counts() == before == (0, 0, 0)
 
 
