@@ -21,7 +21,7 @@ from runs import claims, events
 from jobs.validators import target_host
 from runs.delivery import iso_z
 from runs.models import Run
-from runs.services import notify_dead, run_create, run_next_create
+from runs.services import job_next_run, jobs_lock, notify_dead, run_next_create
 
 logger = logging.getLogger("scheduler.scanner")
 S = Run.Status
@@ -167,9 +167,19 @@ def _handle_late(run: Run, now: datetime, result: ScanResult) -> bool:
     mine = ScanResult()
     try:
         with transaction.atomic():
-            run.job = Job.objects.get(pk=run.job_id)  # the policy needs the whole job
+            # The policy decides from the job as it is now, its row locked. NOWAIT:
+            # this scan holds run rows, and an edit locks the job, then its runs.
+            job = jobs_lock([run.job_id], nowait=True).get(run.job_id)
+            if job is None:
+                return False
+            run.job = job
             queued = _misfire(run, now, mine)
-    except _STORE_ERRORS:
+    except _STORE_ERRORS as exc:
+        if _lock_busy(exc):
+            # Someone is changing the job (an edit, a pause): its writes decide what
+            # happens to this run, and the next scan looks again.
+            logger.info("run %s: its job is being changed; next scan", run.public_id)
+            return False
         raise
     except Exception as exc:  # noqa: BLE001 - one row's failure, whatever it is
         _set_aside(run, now, exc, result)
@@ -302,12 +312,19 @@ def _misfire(run: Run, now: datetime, result: ScanResult) -> bool:
     events.record_many(found)
     _skip_times(job, decision.skipped_times, now, result)
     if not decision.run_late:
-        if decision.next_time is not None:
-            nxt = run_create(job=job, scheduled_for=decision.next_time, now=now)
+        # The one next-run decision, after the skipped rows are written: the first
+        # time after the latest of them (decision.next_time); a one-off is completed.
+        nxt = job_next_run(job=job, now=now)
+        if nxt is not None:
             events.record(run.pk, "next_run_created", now, run=nxt.public_id, scheduled_for=iso_z(nxt.scheduled_for))
-        elif not job.is_recurring:
-            Job.objects.filter(pk=job.pk).exclude(state=Job.State.DELETED).update(state=Job.State.COMPLETED)
     return decision.run_late
+
+
+def _lock_busy(exc: Exception) -> bool:
+    """The job's row is locked by another transaction (FOR UPDATE NOWAIT refused)."""
+    import psycopg.errors
+
+    return isinstance(exc.__cause__, psycopg.errors.LockNotAvailable)
 
 
 def _misfired(run: Run, now: datetime, *, other_missed_times: int) -> events.Event:

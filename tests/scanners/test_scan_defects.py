@@ -162,23 +162,27 @@ def test_a_late_run_whose_stored_schedule_no_longer_parses_costs_that_run_only(
 
 
 @override_settings(SCHEDULER_MISFIRE_GRACE=60)
-def test_a_late_run_whose_next_run_clashes_on_insert_costs_that_run_only(service: Any, broker: redis.Redis) -> None:
+def test_a_late_run_whose_next_time_is_taken_goes_on_at_the_first_free_time(service: Any, broker: redis.Redis) -> None:
+    # Was "...clashes_on_insert_costs_that_run_only" (the clash set the run aside);
+    # since the one next-run decision (runs.services.job_next_run) steps over a time
+    # that already has a run, a clash costs nothing at all.
     jobs = _seventeen_late_jobs(service.user, misfire="skip")
     clashing = jobs[0]
     for t in ("2026-10-28T20:32:00Z", "2026-10-28T20:33:00Z"):  # the times skip would go on at
         make_run(clashing, utc(t), is_backfill=True)
     result = scan_once(partitions=ALL, now=BACK, publish=True)
     late = Run.objects.get(job=clashing, scheduled_for=utc("2026-10-28T20:30:00Z"))
-    assert late.status == S.DEAD and late.events.filter(type="scan_error").exists()
+    assert late.status == S.SKIPPED and not late.events.filter(type="scan_error").exists()
     # The other sixteen jobs went on at their next time; everything due was queued.
     for job in jobs[1:]:
         assert Run.objects.filter(job=job, status=S.SCHEDULED).count() == 1
     backfill = Run.objects.get(job=clashing, scheduled_for=utc("2026-10-28T20:32:00Z"))
     assert backfill.status == S.QUEUED and backfill.pk in published(broker)
-    assert result.skipped >= 16 and result.set_aside == [late.pk]
-    # The job goes on from the run set aside: its next run is the next time.
-    nxt = late.events.get(type="dead").detail["next_scheduled_for"]
-    assert Run.objects.get(job=clashing, status=S.SCHEDULED, is_backfill=False).scheduled_for == utc(nxt)
+    assert result.skipped >= 16 and result.set_aside == []
+    # The job goes on at the first time no run has: after both backfills.
+    nxt = Run.objects.get(job=clashing, status=S.SCHEDULED, is_backfill=False)
+    assert nxt.scheduled_for == utc("2026-10-28T20:34:00Z")
+    assert late.events.get(type="next_run_created").detail["run"] == nxt.public_id
     assert invariants.timelines() == [] and invariants.one_open_run_per_job() == []
 
 
