@@ -117,6 +117,8 @@ def test_a_skewed_worker_killed_mid_call_has_its_run_recovered_within_a_lease_an
 
     recovered = wait_for(lambda: RunEvent.objects.filter(run=run, type="lease_expired").exists() and store_now(),
                          3 * LEASE, interval=0.1, what="the scanner to take the lease back")
+    print(f"worker {offset:+d} s killed -> lease taken back: {(recovered - killed).total_seconds():.2f} s "
+          f"by the store's clock (lease {LEASE} s, scan {scan:g} s)")
     assert recovered - killed <= timedelta(seconds=LEASE + scan + 1.0), recovered - killed
     expired_at = RunEvent.objects.get(run=run, type="lease_expired").at
     assert expired_at > killed, (killed, expired_at)  # the live lease was not taken back before the kill
