@@ -186,3 +186,14 @@ def test_the_store_clock_is_the_databases_not_the_processes() -> None:
     with time_machine.travel(timezone.now() + SKEW, tick=True):
         skewed, store = timezone.now(), claims.store_now()
     assert timedelta(seconds=110) < skewed - store < timedelta(seconds=130)
+
+
+@pytest.mark.embedded
+def test_the_soaks_deliberate_bug_still_lets_a_live_lease_be_claimed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The seam the soak's self-test turns on (claims._fence_checks_disabled) rewrites the
+    # claim's lease check; it must still bite with the check in the store's clock.
+    run = queued_run()
+    assert claims.claim(run_id=run.pk, worker="w1", lease=LEASE) is not None
+    monkeypatch.setenv("SCHEDULER_TESTING", "1")
+    monkeypatch.setenv("SCHEDULER_TEST_DISABLE_FENCE", "1")
+    assert [c.fence for c in claims.claim_many(run_ids=[run.pk], worker="w2", lease=LEASE)] == [2]
