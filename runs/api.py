@@ -8,14 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.utils import timezone
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
 from rest_framework.generics import ListAPIView
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from runs import breakers, bulkhead
+from runs import breakers, bulkhead, claims
 from runs.models import TargetBreaker
 
 
@@ -48,7 +47,7 @@ class BreakerList(ListAPIView):
     @extend_schema(summary="Target hosts' circuit breakers (the caller's hosts; staff: all)")
     def list(self, request: Request, *args: Any, **kwargs: Any) -> Response:
         page = self.paginate_queryset(self.get_queryset())
-        now = timezone.now()
+        now = claims.store_now()  # slot leases and probe times are in the store's clock
         busy = bulkhead.in_flight([b.host for b in page], now=now)
         rows = [breakers.row(b, now, busy.get(b.host, 0)) for b in page]
         return self.get_paginated_response(BreakerSerializer(rows, many=True).data)

@@ -12,6 +12,8 @@ means the host is up); half_open -> open again, with a new cooldown, when not.
 The state lives in the store (`target_breakers`) so every worker sees one
 breaker per host, on PostgreSQL and SQLite alike. Each change is one
 conditional update, so two workers cannot both open it or both take the probe.
+Its times (`next_probe_at`, the probe's lease `probe_until`) are in the store's
+clock: the worker's `now` comes from runs.claims.store_now, as for run leases.
 """
 from __future__ import annotations
 
@@ -22,7 +24,6 @@ from typing import Any
 
 from django.conf import settings
 from django.db.models import F, Q, QuerySet
-from django.utils import timezone
 
 from runs import bulkhead
 from runs.models import BreakerTransition, TargetBreaker
@@ -172,7 +173,9 @@ def row(breaker: TargetBreaker, now: datetime, in_flight: int, history: int = 10
 
 def breaker_states(now: datetime | None = None) -> list[dict[str, Any]]:
     """Every host's breaker, for the admin's system page (staff: all hosts)."""
-    now = now or timezone.now()
+    from runs.claims import store_now
+
+    now = now or store_now()  # slot leases and probe times are in the store's clock
     breakers = list(TargetBreaker.objects.order_by("host").prefetch_related("transitions"))
     busy = bulkhead.in_flight([b.host for b in breakers], now=now)
     return [row(b, now, busy.get(b.host, 0)) for b in breakers]

@@ -9,10 +9,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.db import connection
-from django.db.models import BooleanField, Q, QuerySet
-from django.db.models.expressions import RawSQL
+from django.db.models import BooleanField, DateTimeField, Q, QuerySet
+from django.db.models.expressions import Expression, RawSQL
+from django.utils import timezone
 
 from runs.models import Run
 
@@ -21,23 +23,24 @@ S = Run.Status
 # The claim: running, a fresh lease, fence plus one, attempt plus one -- only if
 # nobody holds a live lease (queued, or running with a lease that ran out) and
 # the run is not held. Raw SQL because the ORM cannot say RETURNING on update.
+# {now} and {until} are the store's clock (see store_clock_sql), never a worker's.
 CLAIM_SQL = """
 UPDATE runs
    SET status = 'running',
        fence = fence + 1,
        attempt = attempt + 1,
        lease_owner = %s,
-       lease_expires_at = %s,
-       started_at = COALESCE(started_at, %s)
+       lease_expires_at = {until},
+       started_at = COALESCE(started_at, {now})
  WHERE id = %s
    AND held = %s
-   AND (status = 'queued' OR (status = 'running' AND lease_expires_at < %s))
+   AND (status = 'queued' OR (status = 'running' AND lease_expires_at < {now}))
 RETURNING fence, attempt
 """
 # The deliberate bug (see _fence_checks_disabled): any running run can be claimed.
 CLAIM_SQL_WITHOUT_LEASE_CHECK = CLAIM_SQL.replace(
-    "(status = 'queued' OR (status = 'running' AND lease_expires_at < %s))",
-    "(status = 'queued' OR (status = 'running' AND (lease_expires_at < %s OR lease_expires_at IS NOT NULL)))",
+    "(status = 'queued' OR (status = 'running' AND lease_expires_at < {now}))",
+    "(status = 'queued' OR (status = 'running' AND (lease_expires_at < {now} OR lease_expires_at IS NOT NULL)))",
 )
 assert CLAIM_SQL_WITHOUT_LEASE_CHECK != CLAIM_SQL
 
@@ -72,29 +75,78 @@ def _db_time(value: datetime) -> object:
     return connection.ops.adapt_datetimefield_value(value)
 
 
-def claim(*, run_id: int, worker: str, now: datetime, lease: timedelta) -> Claim | None:
-    """Take the run's lease. None means someone else has it: drop the message."""
+# ------------------------------------------------------------- the store's clock
+#
+# Every lease is written and compared in one clock, the store's: a worker, a
+# scanner and the API run on different machines whose clocks drift apart, and a
+# lease written in one clock and read in another is taken over early (or late) by
+# the skew. On PostgreSQL the statement reads the clock itself; the embedded
+# SQLite mode is one machine, whose clock is the store's.
+
+
+def store_now() -> datetime:
+    """The store's clock, for the times a process compares with lease times
+    (the scan's `now`, the worker's admission and heartbeat): one cheap read."""
+    if connection.vendor != "postgresql":
+        return timezone.now()
     with connection.cursor() as cursor:
-        cursor.execute(
-            CLAIM_SQL_WITHOUT_LEASE_CHECK if _fence_checks_disabled() else CLAIM_SQL,
-            [worker, _db_time(now + lease), _db_time(now), run_id, False, _db_time(now)],
-        )
+        cursor.execute("SELECT clock_timestamp()")
+        value: datetime = cursor.fetchone()[0]
+    return value
+
+
+def store_clock_sql(plus: timedelta = timedelta(0)) -> tuple[str, list[object]]:
+    """SQL for the store's clock plus `plus`, and its parameters. STATEMENT_TIMESTAMP:
+    one instant per statement, so a batch's leases all end together."""
+    if connection.vendor == "postgresql":
+        return ("(STATEMENT_TIMESTAMP() + %s)", [plus]) if plus else ("STATEMENT_TIMESTAMP()", [])
+    return "%s", [_db_time(timezone.now() + plus)]
+
+
+class StoreClock(Expression):
+    """store_clock_sql as an ORM expression: `.update(lease_expires_at=StoreClock(lease))`,
+    `.filter(lease_expires_at__lt=StoreClock())`."""
+
+    output_field = DateTimeField()
+
+    def __init__(self, plus: timedelta = timedelta(0)) -> None:
+        super().__init__()
+        self.plus = plus
+
+    def as_sql(self, compiler: Any, connection: Any) -> tuple[str, list[object]]:
+        return store_clock_sql(self.plus)
+
+
+def _claim_sql(template: str, lease: timedelta) -> tuple[str, list[object], list[object]]:
+    """The claim statement in the store's clock: the SQL, the lease end's parameters
+    and the clock's (the clock is read twice after the lease end: started_at, the check)."""
+    now_sql, now_params = store_clock_sql()
+    until_sql, until_params = store_clock_sql(lease)
+    return template.format(now=now_sql, until=until_sql), until_params, now_params
+
+
+def claim(*, run_id: int, worker: str, lease: timedelta) -> Claim | None:
+    """Take the run's lease. None means someone else has it: drop the message."""
+    sql, until, now = _claim_sql(CLAIM_SQL_WITHOUT_LEASE_CHECK if _fence_checks_disabled() else CLAIM_SQL, lease)
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [worker, *until, *now, run_id, False, *now])
         row = cursor.fetchone()
     if row is None:
         return None
     return Claim(run_id=run_id, fence=int(row[0]), attempt=int(row[1]), worker=worker)
 
 
-def claim_many(*, run_ids: list[int], worker: str, now: datetime, lease: timedelta) -> list[Claim]:
+def claim_many(*, run_ids: list[int], worker: str, lease: timedelta) -> list[Claim]:
     """The claim for a batch of runs, one statement: the runs someone else holds
     (or that are no longer queued) are simply not returned."""
     if not run_ids:
         return []
-    sql = CLAIM_SQL_WITHOUT_LEASE_CHECK if _fence_checks_disabled() else CLAIM_SQL
-    sql = sql.replace("WHERE id = %s", "WHERE id IN ({})".format(", ".join(["%s"] * len(run_ids))))
-    sql = sql.replace("RETURNING fence, attempt", "RETURNING id, fence, attempt")
+    template = CLAIM_SQL_WITHOUT_LEASE_CHECK if _fence_checks_disabled() else CLAIM_SQL
+    template = template.replace("WHERE id = %s", "WHERE id IN ({})".format(", ".join(["%s"] * len(run_ids))))
+    template = template.replace("RETURNING fence, attempt", "RETURNING id, fence, attempt")
+    sql, until, now = _claim_sql(template, lease)
     with connection.cursor() as cursor:
-        cursor.execute(sql, [worker, _db_time(now + lease), _db_time(now), *run_ids, False, _db_time(now)])
+        cursor.execute(sql, [worker, *until, *now, *run_ids, False, *now])
         rows = cursor.fetchall()
     return [Claim(run_id=int(r[0]), fence=int(r[1]), attempt=int(r[2]), worker=worker) for r in rows]
 
@@ -158,7 +210,8 @@ def _record_one(o: Outcome) -> bool:
 
 def may_claim(run: Run, now: datetime) -> bool:
     """The claim's condition, read without writing: whether to try at all. The
-    claim itself still decides (someone may get there between the two)."""
+    claim itself still decides (someone may get there between the two). `now`
+    is the store's clock (store_now), the one the lease was written in."""
     if run.held:
         return False
     if run.status == S.QUEUED:
@@ -168,10 +221,11 @@ def may_claim(run: Run, now: datetime) -> bool:
     return _fence_checks_disabled() or (run.lease_expires_at is not None and run.lease_expires_at < now)
 
 
-def heartbeat(*, run_id: int, fence: int, now: datetime, lease: timedelta) -> bool:
-    """Extend the lease. False means the lease was taken over (or the run ended)."""
+def heartbeat(*, run_id: int, fence: int, lease: timedelta) -> bool:
+    """Extend the lease, in the store's clock. False means the lease was taken over
+    (or the run ended)."""
     return (
-        Run.objects.filter(pk=run_id, fence=fence, status=S.RUNNING).update(lease_expires_at=now + lease)
+        Run.objects.filter(pk=run_id, fence=fence, status=S.RUNNING).update(lease_expires_at=StoreClock(lease))
         == 1
     )
 
@@ -205,13 +259,13 @@ def schedule_retry(*, run_id: int, fence: int, due_at: datetime, error: str) -> 
     )
 
 
-def defer(*, run_id: int, now: datetime, due_at: datetime) -> bool:
+def defer(*, run_id: int, due_at: datetime) -> bool:
     """Back to scheduled, unclaimed, for a run the worker may not call yet (its
     target's bulkhead is full or its breaker is open). Only a run nobody holds a
     live lease on, the claim's own condition; fence and attempt are untouched,
     so waiting spends no try. False: someone claimed it meanwhile.
     """
-    nobody_holds_it = Q(status=S.QUEUED) | Q(status=S.RUNNING, lease_expires_at__lt=now)
+    nobody_holds_it = Q(status=S.QUEUED) | Q(status=S.RUNNING, lease_expires_at__lt=StoreClock())
     return (
         Run.objects.filter(nobody_holds_it, pk=run_id, held=False).update(
             status=S.SCHEDULED, due_at=due_at, queued_at=None, lease_owner="", lease_expires_at=None
@@ -229,12 +283,14 @@ def _lock_ids(query: "QuerySet[Run]", limit: int) -> list[int]:
 
 def release_expired_leases(*, partitions: list[int], now: datetime, limit: int) -> list[int]:
     """Running runs whose lease ran out (dead or frozen worker) go back to queued.
+    "Ran out" by the store's clock, in the statement; `now` is only written down.
 
     The run keeps its fence: the next claim raises it, which is what shuts the
     old holder out.
     """
+    ran_out = Q(lease_expires_at__lt=StoreClock())
     ids = _lock_ids(
-        Run.objects.filter(partition__in=partitions, status=S.RUNNING, lease_expires_at__lt=now).order_by(
+        Run.objects.filter(ran_out, partition__in=partitions, status=S.RUNNING).order_by(
             "lease_expires_at"
         ),
         limit,

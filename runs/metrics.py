@@ -241,7 +241,9 @@ def target_states(now: datetime | None = None, limit: int = 500) -> list[TargetF
         breakers = apps.get_model("runs", "TargetBreaker")
     except LookupError:
         return []
-    now = now or timezone.now()
+    from runs.claims import store_now
+
+    now = now or store_now()  # slot leases are in the store's clock
     # A slot past its lease belongs to a worker that died: not in flight.
     in_flight = dict(sorted(bulkhead.in_flight(None, now=now).items())[:limit])
     states = {b.host: b for b in breakers.objects.order_by("host")[:limit]}

@@ -308,11 +308,11 @@ class Heartbeat:
             connection.close()
 
     def _beat_once(self) -> None:
-        now = timezone.now()
+        now = claims.store_now()  # the leases' clock, not this machine's (docs/reliability.md)
         for claim in self.claims:
             if claim.run_id in self.lost:
                 continue
-            if not claims.heartbeat(run_id=claim.run_id, fence=claim.fence, now=now, lease=self.lease):
+            if not claims.heartbeat(run_id=claim.run_id, fence=claim.fence, lease=self.lease):
                 # Taken over: the call goes on, but its outcome will be refused.
                 self.lost.add(claim.run_id)
         # A call still in flight to the host, taken over or not, holds its slot.
@@ -358,7 +358,7 @@ def run_execute_many(*, run_ids: list[int], worker: str | None = None) -> dict[i
     worker = worker or default_worker_id()
     lease = lease_length()
     outcomes: dict[int, str] = {}
-    now = timezone.now()
+    now = claims.store_now()  # leases, slots and breakers are all in the store's clock
     found = {r.pk: r for r in Run.objects.select_related("job").filter(pk__in=run_ids)}
     candidates = []
     for run_id in dict.fromkeys(run_ids):
@@ -423,7 +423,7 @@ def _through_breaker(
 
 def _defer(run: Run, now: datetime, due_at: datetime, reason: str, **detail: object) -> str:
     with transaction.atomic():
-        if not claims.defer(run_id=run.pk, now=now, due_at=due_at):
+        if not claims.defer(run_id=run.pk, due_at=due_at):
             return "not_claimed"
         events.record(run.pk, reason, now, due_at=delivery.iso_z(due_at), **detail)
     return reason
@@ -442,8 +442,8 @@ def _claim_and_call(
     runs: list[Run], worker: str, lease: timedelta, gates: dict[int, Gate], outcomes: dict[int, str]
 ) -> None:
     with transaction.atomic():
-        now = timezone.now()
-        taken = claims.claim_many(run_ids=[r.pk for r in runs], worker=worker, now=now, lease=lease)
+        now = claims.store_now()
+        taken = claims.claim_many(run_ids=[r.pk for r in runs], worker=worker, lease=lease)
         events.record_many(
             events.event(c.run_id, "claimed", now, fence=c.fence, worker=worker, attempt=c.attempt) for c in taken
         )
@@ -528,7 +528,7 @@ def _tell_breakers(calls: list[Call], gates: dict[int, Gate]) -> None:
     by_host: dict[str, list[Call]] = {}
     for call in calls:
         by_host.setdefault(gates[call.run.pk].host, []).append(call)
-    now = timezone.now()
+    now = claims.store_now()
     for host, group in by_host.items():
         try:
             breakers.record_many(
@@ -597,7 +597,7 @@ def run_record_outcomes(calls: list[Call]) -> dict[int, str]:
         jobs = jobs_lock(call.run.job_id for call in calls)
         for call in calls:
             call.run.job = jobs.get(call.run.job_id) or call.run.job
-        now = timezone.now()
+        now = claims.store_now()  # a retry's due_at is read by the scanner in the store's clock
         decided = [(call, *_decide(call, now)) for call in calls]
         landed = claims.record_outcomes([outcome for _, outcome, _ in decided])
         found = _hold_retries(

@@ -13,7 +13,6 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import InterfaceError, OperationalError, transaction
-from django.utils import timezone
 
 from jobs import schedule
 from jobs.models import Job
@@ -60,7 +59,7 @@ REPUBLISH_WHEN_FULL = 10
 def scan_once(*, partitions: list[int] | frozenset[int], now: datetime | None = None, publish: bool = True) -> ScanResult:
     """Scan the given partitions once; publish what became queued, batch by batch,
     each after its transaction commits."""
-    now = now or timezone.now()
+    now = now or claims.store_now()  # due and late by the store's clock, not this machine's
     parts = sorted(partitions)
     result = ScanResult()
     if not parts:

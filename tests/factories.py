@@ -1,7 +1,7 @@
 """Rows for tests, made straight through the ORM (no clock math)."""
 from __future__ import annotations
 
-from datetime import datetime, timezone as dt_timezone
+from datetime import datetime, timedelta, timezone as dt_timezone
 from typing import Any
 
 from django.conf import settings
@@ -32,3 +32,11 @@ def make_run(job: Job, scheduled_for: datetime, **fields: Any) -> Run:
     }
     values.update(fields)
     return Run.objects.create(**values)
+
+
+def expire_lease(run_id: int) -> None:
+    """The run's lease has run out, by the store's clock (the one leases are kept in):
+    what a holder that stopped heartbeating leaves behind, without waiting for it."""
+    from runs.claims import StoreClock
+
+    Run.objects.filter(pk=run_id).update(lease_expires_at=StoreClock(-timedelta(seconds=1)))

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 from django.core import mail
+from django.db import transaction
 from django.utils import timezone
 
 from jobs.models import Job
@@ -15,7 +16,7 @@ from runs import claims
 from runs.models import Run
 from runs.services import run_execute
 from runs.signals import run_dead
-from tests.factories import make_job, make_run
+from tests.factories import expire_lease, make_job, make_run
 from tests.target import LoopbackTarget
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -169,13 +170,19 @@ def test_a_stale_holder_cannot_record_its_outcome(service: Any, target: Loopback
 
     thread = threading.Thread(target=first_holder)
     thread.start()
-    # Take the run over once the first lease has run out (heartbeats would keep it, so stop them:
-    # the takeover is forced by a claim at a time past the lease).
+    # Take the run over once the first lease has run out: the lease is made to run out by
+    # the store's clock (as when the holder froze) and claimed in one transaction, so that
+    # no heartbeat of the first holder lands between the two. A claimer whose clock merely
+    # runs ahead cannot take a live lease (tests/runs/test_claims.py).
     import time
 
-    time.sleep(0.5)
-    later = timezone.now() + timedelta(seconds=120)
-    taken = claims.claim(run_id=run.pk, worker="rescuer", now=later, lease=timedelta(seconds=60))
+    deadline = time.monotonic() + 10
+    while not target.calls("/slow"):  # the first holder has claimed the run and is in its call
+        assert time.monotonic() < deadline, "the first holder's call never arrived"
+        time.sleep(0.02)
+    with transaction.atomic():
+        expire_lease(run.pk)
+        taken = claims.claim(run_id=run.pk, worker="rescuer", lease=timedelta(seconds=60))
     thread.join()
     assert taken is not None and taken.fence == 2
     assert outcome == ["stale_write_rejected"]

@@ -5,6 +5,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+import time_machine
 from django.test import override_settings
 
 from jobs.models import Job
@@ -12,7 +13,7 @@ from jobs.services import job_create, job_pause, job_resume
 from runs import claims
 from runs.models import Run
 from scanners.scan import scan_once
-from tests.factories import utc
+from tests.factories import expire_lease, utc
 
 pytestmark = pytest.mark.django_db
 S = Run.Status
@@ -124,8 +125,10 @@ def test_a_skipped_one_off_completes_its_job(service: Any) -> None:
 def test_a_run_whose_lease_ran_out_is_queued_again(service: Any) -> None:
     job = per_minute(service.user)
     [run_id] = scan_once(partitions=ALL, now=T0 + timedelta(seconds=31), publish=False).queued
-    claim = claims.claim(run_id=run_id, worker="dies", now=T0 + timedelta(seconds=32), lease=timedelta(seconds=60))
+    claim = claims.claim(run_id=run_id, worker="dies", lease=timedelta(seconds=60))
     assert claim is not None
+    assert scan_once(partitions=ALL, now=T0 + timedelta(seconds=93), publish=False).lease_expired == []  # live
+    expire_lease(run_id)  # by the store's clock, the one leases are kept in
     result = scan_once(partitions=ALL, now=T0 + timedelta(seconds=93), publish=False)
     assert result.lease_expired == [run_id]
     run = Run.objects.get(pk=run_id)
@@ -151,3 +154,16 @@ def test_a_long_outage_records_only_the_latest_missed_times_and_goes_on_from_now
     assert Run.objects.get(job=job, status=S.SCHEDULED).scheduled_for == utc("2026-10-28T22:30:00Z")
     misfired = skipped[0].events.get(type="misfired")
     assert misfired.detail["other_missed_times"] == 119
+
+
+def test_a_scanner_whose_clock_runs_ahead_queues_nothing_early(service: Any) -> None:
+    # The scan's `now` is the store's clock: a fast machine neither queues a run
+    # before its time nor finds it late (misfired).
+    now = claims.store_now()
+    fields = {"name": "soon", "run_at": (now + timedelta(seconds=60)).replace(microsecond=0),
+              "target": "http://127.0.0.1:9/h"}
+    job = job_create(owner=service.user, fields=fields, now=now)
+    with time_machine.travel(now + timedelta(seconds=120), tick=True):
+        result = scan_once(partitions=ALL, publish=False)
+    assert (result.queued, result.misfired) == ([], 0)
+    assert statuses(job) == [(f"{fields['run_at']:%H:%M}", S.SCHEDULED)]
