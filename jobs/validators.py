@@ -37,7 +37,8 @@ METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
 MAX_TARGET_LENGTH = 2000
 # IPv6 prefixes whose last 32 bits are an IPv4 address something on the path turns
 # them into: IPv4-compatible (::a.b.c.d), IPv4-translated (::ffff:0:a.b.c.d) and
-# NAT64's well-known and local-use prefixes (RFC 6052, RFC 8215).
+# NAT64's well-known prefix and local-use block (RFC 6052, RFC 8215; a /96 inside
+# the local-use /48, as it is deployed).
 _EMBEDS_IPV4_LAST_32 = (
     ipaddress.ip_network("::/96"),
     ipaddress.ip_network("::ffff:0:0:0/96"),
@@ -46,9 +47,12 @@ _EMBEDS_IPV4_LAST_32 = (
 )
 
 
-def _addresses_behind(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+def _addresses_behind(ip: Address) -> list[Address]:
     """The address itself and every IPv4 address an IPv6 one carries inside it."""
-    found: list[ipaddress.IPv4Address | ipaddress.IPv6Address] = [ip]
+    found: list[Address] = [ip]
     if isinstance(ip, ipaddress.IPv6Address):
         if ip.ipv4_mapped is not None:
             found.append(ip.ipv4_mapped)
