@@ -115,12 +115,14 @@ class JobAdminForm(forms.ModelForm):
     timezone = forms.CharField(initial="UTC", max_length=64, help_text="An IANA name, like Asia/Kolkata.")
     window = forms.CharField(initial="0s", help_text='The run may start up to this long after its time ("5m").')
     misfire = forms.ChoiceField(choices=Job.Misfire.choices, initial=Job.Misfire.RUN_ONCE)
-    target = forms.CharField(max_length=2000, help_text="An http(s) URL.")
+    target = forms.CharField(max_length=2000, strip=False, help_text="An http(s) URL, checked as typed.")
     method = forms.ChoiceField(choices=[(m, m) for m in METHODS], initial="POST")
     headers = forms.JSONField(
         required=False,
         initial=dict,
-        help_text='A JSON object; secret values show as "***" and are kept when sent back so.',
+        help_text='A JSON object of header names to values (visible ASCII, space and tab); Host, Content-Length, '
+        "Transfer-Encoding, Connection, Keep-Alive, TE, Trailer, Upgrade and Proxy-* are refused. Secret values "
+        'show as "***" and are kept when sent back so; to make a secret header plain, type its value again.',
     )
     secret_headers = forms.CharField(
         required=False, help_text="Comma-separated names of further headers to keep encrypted."
@@ -131,7 +133,12 @@ class JobAdminForm(forms.ModelForm):
     retry_base = forms.CharField(initial="10s", label="First delay")
     retry_cap = forms.CharField(initial="1h", label="Longest delay")
     timeout = forms.CharField(initial="30s", help_text="How long one call may take.")
-    notify = forms.CharField(required=False, help_text="E-mail told when a run goes dead (default: the owner's).")
+    notify = forms.CharField(
+        required=False,
+        max_length=2000,
+        help_text="An e-mail address, or an https URL that gets a signed JSON notice, told when a run goes dead "
+        "(default: the owner's e-mail).",
+    )
     paused = forms.BooleanField(required=False)
 
     class Meta:

@@ -53,7 +53,9 @@ class Job(models.Model):
     retry_base_seconds = models.PositiveIntegerField(default=10)
     retry_cap_seconds = models.PositiveIntegerField(default=3600)
     timeout_seconds = models.PositiveIntegerField(default=30)
-    notify = models.EmailField(blank=True)
+    # An e-mail address (at most 254 characters) or an https URL (at most 2000, like
+    # `target`): jobs.validators.validate_notify keeps values inside the column.
+    notify = models.CharField(max_length=2000, blank=True)
     paused = models.BooleanField(default=False)
     state = models.CharField(max_length=16, choices=State.choices, default=State.ACTIVE)
     created_at = models.DateTimeField(auto_now_add=True)

@@ -13,8 +13,10 @@ from functools import lru_cache
 from cryptography.fernet import Fernet
 from django.conf import settings
 
-# Headers that carry credentials whatever the caller says.
-ALWAYS_SECRET = frozenset({"authorization", "cookie", "proxy-authorization"})
+# Headers that carry credentials whatever the caller says. (Proxy-Authorization is
+# not among them: like every Proxy-* header it is refused at creation,
+# jobs.validators.validate_header.)
+ALWAYS_SECRET = frozenset({"authorization", "cookie"})
 REDACTED = "***"
 
 

@@ -30,18 +30,22 @@ from jobs import schedule, selectors
 from jobs.models import AuditEntry, Job
 from jobs.public_ids import format_id
 from jobs.secrets import REDACTED, decrypt_headers, is_secret, redacted_names
-from jobs.validators import validate_header_name, validate_method, validate_min_interval, validate_target
+from jobs.validators import (
+    SET_BY_SCHEDULER,
+    validate_header,
+    validate_header_name,
+    validate_method,
+    validate_min_interval,
+    validate_notify,
+    validate_target,
+)
 from runs.models import Run, RunEvent
 
 TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
 MAX_HEADERS_BYTES = 16 * 1024
+MAX_HEADERS = 64
 MAX_SECRET_HEADER_NAMES = 100
 MAX_PAYLOAD_DEPTH = 64
-# The worker sets these on every call (CONTRACT "What a target receives"); a job's
-# own value would be overwritten, so refusing it up front says so instead.
-SET_BY_SCHEDULER = frozenset(
-    {"idempotency-key", "x-fence-token", "x-run-id", "x-attempt", "x-scheduled-for", "x-signature"}
-)
 AT_PAST_LIMIT = timedelta(days=366)
 AT_FUTURE_LIMIT = timedelta(days=100 * 366)
 TIMING_INPUTS = ("schedule", "at", "delay")
@@ -120,26 +124,30 @@ class AtField(serializers.Field):
         return iso_z(value)
 
 
-class BlankAsNullEmailField(serializers.EmailField):
-    """`notify`: null in or out means "none" (the model stores a blank string)."""
+class NotifyField(serializers.CharField):
+    """`notify`: an e-mail address or an https URL (jobs.validators.validate_notify);
+    null in or out means "none" (the model stores a blank string)."""
+
+    def to_internal_value(self, data: Any) -> str:
+        value = super().to_internal_value(data)
+        if value == "":
+            return value
+        try:
+            return validate_notify(value)
+        except ValueError as exc:
+            raise ValidationError(str(exc)) from exc
 
     def to_representation(self, value: str) -> str | None:
         return value or None
 
 
 def _header_problems(name: Any, value: Any) -> list[str]:
-    if not isinstance(name, str):
-        return [f"{name!r} is not a header name"]
+    if isinstance(name, str) and not isinstance(value, str):
+        return [f"the value of {name!r} must be a string, not {json_type_name(value)}"]
     try:
-        validate_header_name(name)
+        validate_header(name, value)
     except ValueError as exc:
         return [str(exc)]
-    if name.lower() in SET_BY_SCHEDULER:
-        return [f"{name!r} is set by the scheduler on every call and cannot be given"]
-    if not isinstance(value, str):
-        return [f"the value of {name!r} must be a string, not {json_type_name(value)}"]
-    if any(c in value for c in "\r\n\x00"):
-        return [f"the value of {name!r} must not contain line breaks or NUL characters"]
     return []
 
 
@@ -147,8 +155,10 @@ def _header_problems(name: Any, value: Any) -> list[str]:
     {
         "type": "object",
         "additionalProperties": {"type": "string"},
-        "description": "Sent as given; secret ones (Authorization, Cookie, Proxy-Authorization and "
-        "those named in secret_headers) are stored encrypted and shown as \"***\".",
+        "description": "Sent as given. Names are RFC 9110 tokens, values visible ASCII, space and tab; "
+        "Host, Content-Length, Transfer-Encoding, Connection, Keep-Alive, TE, Trailer, Upgrade, Proxy-* "
+        "and the scheduler's own headers are refused. Secret ones (Authorization, Cookie and those named "
+        "in secret_headers) are stored encrypted and shown as \"***\".",
     }
 )
 class HeadersField(serializers.Field):
@@ -168,6 +178,8 @@ class HeadersField(serializers.Field):
             raise ValidationError(f"must be an object of header names to string values, not {json_type_name(data)}")
         problems = [p for name, value in data.items() for p in _header_problems(name, value)]
         problems += _duplicate_names(list(data))
+        if len(data) > MAX_HEADERS:
+            problems.append(f"there are {len(data)} headers; the limit is {MAX_HEADERS}")
         if not problems:
             size = sum(len(k.encode()) + len(v.encode()) for k, v in data.items())
             if size > MAX_HEADERS_BYTES:
@@ -336,7 +348,9 @@ class JobSerializer(StrictFieldsMixin, serializers.Serializer):
         help_text="A duration from now (rounded up to the next whole second).",
     )
     timezone = serializers.CharField(required=False, max_length=64, help_text='An IANA name (default "UTC").')
-    target = serializers.CharField(help_text="An http(s) URL.")
+    # Not trimmed: a target is checked exactly as it will be called (a space or a line
+    # break anywhere is refused, not quietly removed).
+    target = serializers.CharField(trim_whitespace=False, help_text="An http(s) URL.")
     method = serializers.CharField(
         required=False, max_length=10, help_text="GET, POST (default), PUT, PATCH or DELETE."
     )
@@ -369,7 +383,14 @@ class JobSerializer(StrictFieldsMixin, serializers.Serializer):
         source="timeout_seconds", required=False, low=timedelta(seconds=1), high=timedelta(hours=1),
         help_text='How long one call may take, 1s to 1h (default "30s").',
     )
-    notify = BlankAsNullEmailField(required=False, allow_null=True, allow_blank=True)
+    notify = NotifyField(
+        required=False,
+        trim_whitespace=False,
+        allow_null=True,
+        allow_blank=True,
+        max_length=2000,
+        help_text="An e-mail address, or an https URL that receives a signed JSON notice.",
+    )
     paused = serializers.BooleanField(required=False)
     state = serializers.ChoiceField(choices=Job.State.choices, read_only=True)
     next_run = serializers.SerializerMethodField()
@@ -494,18 +515,39 @@ class JobSerializer(StrictFieldsMixin, serializers.Serializer):
         read and sent back must not overwrite its credentials with the placeholder);
         new secret_headers with no headers re-split the stored ones under the new names."""
         job = self.instance
-        if job is None:
+        if job is None or ("headers" not in attrs and "secret_header_names" not in attrs):
             return
         stored = decrypt_headers(job.secret_headers)
-        if "headers" not in attrs and "secret_header_names" in attrs:
+        names = attrs.get("secret_header_names", job.secret_header_names)
+        self._refuse_unmarking_without_a_value(stored, names, attrs.get("headers"))
+        if "headers" not in attrs:
             attrs["headers"] = {**(job.headers or {}), **stored}
             return
-        if "headers" in attrs:
-            names = attrs.get("secret_header_names", job.secret_header_names)
-            attrs["headers"] = {
-                key: stored[key] if value == REDACTED and key in stored and is_secret(key, names) else value
-                for key, value in attrs["headers"].items()
-            }
+        attrs["headers"] = {
+            key: stored[key] if value == REDACTED and key in stored and is_secret(key, names) else value
+            for key, value in attrs["headers"].items()
+        }
+
+    @staticmethod
+    def _refuse_unmarking_without_a_value(
+        stored: dict[str, str], names: list[str], headers: dict[str, str] | None
+    ) -> None:
+        """A stored secret may stop being secret only with its value sent again: the
+        caller then already knows it. Otherwise un-marking it would hand the stored
+        value back in clear (issue 13, finding 10)."""
+        given = {key.lower(): value for key, value in (headers or {}).items()}
+        for key in sorted(stored):
+            if is_secret(key, names):
+                continue
+            if headers is None or given.get(key.lower()) == REDACTED:
+                message = (
+                    f"{key!r} holds a stored secret value; to stop keeping it secret, send its value again "
+                    "in headers (or leave it out of headers to remove it)"
+                )
+                errors = {"secret_headers": [message]}
+                if headers is not None:
+                    errors["headers"] = [message]
+                raise ValidationError(errors)
 
     # ---- to the service
 

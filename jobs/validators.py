@@ -9,11 +9,17 @@ import fnmatch
 import ipaddress
 import re
 import socket
+import unicodedata
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone as dt_timezone
 from itertools import islice
 from urllib.parse import urlsplit
 
 from django.conf import settings
+from django.core.exceptions import ValidationError as DjangoValidationError
+from django.core.validators import validate_email
+from urllib3.exceptions import LocationParseError
+from urllib3.util import Url, parse_url
 
 from jobs import schedule
 
@@ -24,46 +30,218 @@ REFUSED_NETWORKS = (
     ipaddress.ip_network("fe80::/10"),
     ipaddress.ip_network("fd00:ec2::254/128"),
 )
-REFUSED_HOSTNAMES = frozenset({"metadata.google.internal", "metadata"})
+REFUSED_HOSTNAMES = frozenset(
+    {"metadata.google.internal", "metadata", "instance-data", "instance-data.ec2.internal"}
+)
 METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
+MAX_TARGET_LENGTH = 2000
+# IPv6 prefixes whose last 32 bits are an IPv4 address something on the path turns
+# them into: IPv4-compatible (::a.b.c.d), IPv4-translated (::ffff:0:a.b.c.d) and
+# NAT64's well-known prefix and local-use block (RFC 6052, RFC 8215; a /96 inside
+# the local-use /48, as it is deployed).
+_EMBEDS_IPV4_LAST_32 = (
+    ipaddress.ip_network("::/96"),
+    ipaddress.ip_network("::ffff:0:0:0/96"),
+    ipaddress.ip_network("64:ff9b::/96"),
+    ipaddress.ip_network("64:ff9b:1::/48"),
+)
+
+
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+def _addresses_behind(ip: Address) -> list[Address]:
+    """The address itself and every IPv4 address an IPv6 one carries inside it."""
+    found: list[Address] = [ip]
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            found.append(ip.ipv4_mapped)
+        if ip.sixtofour is not None:
+            found.append(ip.sixtofour)
+        if ip.teredo is not None:
+            found.extend(ip.teredo)
+        if any(ip in net for net in _EMBEDS_IPV4_LAST_32):
+            found.append(ipaddress.IPv4Address(ip.packed[-4:]))
+    return found
 
 
 def is_refused_address(address: str) -> bool:
+    """Whether an address (v4 or v6, a zone id allowed) reaches a refused network,
+    directly or through an IPv4 address embedded in an IPv6 one."""
     try:
         ip = ipaddress.ip_address(address.split("%", 1)[0])
     except ValueError:
         return False
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
-        ip = ip.ipv4_mapped
-    return any(ip in net for net in REFUSED_NETWORKS)
+    return any(a in net for a in _addresses_behind(ip) for net in REFUSED_NETWORKS if a.version == net.version)
+
+
+@dataclass(frozen=True)
+class ParsedTarget:
+    """A target URL as urllib3 (the library that connects) reads it."""
+
+    scheme: str
+    host: str  # lower case; an IPv6 address in brackets
+    port: int | None
+
+    @property
+    def netloc(self) -> str:
+        """host[:port] as written: the bulkhead's, breaker's and pause's key."""
+        return f"{self.host}:{self.port}" if self.port is not None else self.host
+
+    @property
+    def hostname(self) -> str:
+        """The host without IPv6 brackets: what is resolved and checked."""
+        return self.host[1:-1] if self.host.startswith("[") else self.host
+
+
+# One rule for the whole URL: visible ASCII only. A space, a control or format
+# character, a backslash or a non-ASCII letter is where parsers disagree (urlsplit
+# reads `a\.b` as one host, urllib3 as host `a` and path `\.b`; IDNA turns `１２７．０．０．１`
+# into 127.0.0.1), so such a URL is refused rather than read one way or the other.
+_VISIBLE_ASCII = re.compile(r"[!-~]*")
+_AUTHORITY = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://([^/?#]*)")
+_LABEL = re.compile(r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?")
+# A last label that is a number (decimal, octal or hex) makes the OS resolver
+# (inet_aton) read the whole host as an IPv4 address: 2852039166, 0xa9fea9fe, 127.1.
+_NUMERIC_LABEL = re.compile(r"[0-9]+|0x[0-9a-f]*")
+
+
+def _character_problem(url: str) -> str | None:
+    if _VISIBLE_ASCII.fullmatch(url) and "\\" not in url:
+        return None
+    bad = next(c for c in url if not ("!" <= c <= "~") or c == "\\")
+    where = url.index(bad)
+    if bad == "\\":
+        return f"must not contain a backslash (at position {where}); parsers disagree on where its host ends"
+    if bad.isascii() or unicodedata.category(bad)[0] in "CZ":
+        return f"must not contain spaces or control characters ({bad!r} at position {where})"
+    return (
+        f"must be ASCII ({bad!r} at position {where}): percent-encode the path and give a "
+        "non-ASCII host in its xn-- (punycode) form"
+    )
+
+
+def _parse(url: str) -> Url:
+    try:
+        return parse_url(url)
+    except LocationParseError as exc:
+        raise ValueError(f"is not a URL the scheduler can call ({exc})") from exc
+
+
+def parse_target(url: str) -> ParsedTarget:
+    """Parse a target once, with urllib3's parser (the one that connects), and refuse
+    anything it could read differently from a person or another parser: userinfo,
+    percent-encoded or zone-id hosts, trailing dots, empty labels, numeric hosts not
+    written as a dotted quad, a port not written as a plain number."""
+    if len(url) > MAX_TARGET_LENGTH:
+        raise ValueError(f"must be at most {MAX_TARGET_LENGTH} characters")
+    problem = _character_problem(url)
+    if problem:
+        raise ValueError(problem)
+    parsed = _parse(url)
+    scheme = (parsed.scheme or "").lower()
+    if scheme not in ("http", "https"):
+        raise ValueError(f"must be an http or https URL, not {parsed.scheme or 'a relative'!r} one")
+    written = _AUTHORITY.match(url)
+    if not parsed.host or written is None or not written.group(1):
+        raise ValueError("must name a host")
+    authority = written.group(1)
+    _check_authority(authority)
+    target = ParsedTarget(scheme=scheme, host=parsed.host.lower(), port=parsed.port)
+    if target.port == 0:
+        raise ValueError("has port 0; a port is 1 to 65535")
+    if authority.lower() != target.netloc:
+        raise ValueError(
+            f"has its host and port written as {authority!r}, which the connection reads as "
+            f"{target.netloc!r}; write {target.netloc!r}"
+        )
+    if not target.host.startswith("["):
+        _check_hostname(target.host)
+    return target
+
+
+def _check_authority(authority: str) -> None:
+    if "@" in authority:
+        raise ValueError("must not carry a user name or password before the host; send credentials in headers")
+    if "%" in authority:
+        if authority.startswith("["):
+            raise ValueError("must not give an IPv6 zone id (the %... in the brackets)")
+        raise ValueError("must not percent-encode the host; write it as plain letters and digits")
+
+
+def _check_hostname(host: str) -> None:
+    if host.endswith("."):
+        raise ValueError(f"host {host!r} ends with a dot; write it without the trailing dot")
+    labels = host.split(".")
+    if "" in labels:
+        raise ValueError(f"host {host!r} has an empty label (two dots together, or a leading dot)")
+    if len(host) > 253:
+        raise ValueError(f"host is {len(host)} characters; a host name is at most 253")
+    if _NUMERIC_LABEL.fullmatch(labels[-1]):
+        _check_dotted_quad(host)
+        return
+    for label in labels:
+        if not _LABEL.fullmatch(label):
+            raise ValueError(
+                f"host label {label!r} must be 1 to 63 letters, digits, hyphens or underscores, "
+                "not starting or ending with a hyphen"
+            )
+
+
+def _check_dotted_quad(host: str) -> None:
+    """A numeric host is an IPv4 address written as four decimal numbers, nothing else:
+    the OS reads 2852039166, 0xa9fea9fe, 0251.0376.0251.0376 and 169.254.43518 all
+    as 169.254.169.254."""
+    try:
+        canonical = str(ipaddress.IPv4Address(host))
+    except ValueError:
+        canonical = None
+    if canonical != host:
+        raise ValueError(
+            f"host {host!r} is a number the connection would read as an IPv4 address; "
+            "write an address as four decimal numbers without leading zeros, like 10.0.0.1"
+        )
 
 
 def target_host(url: str) -> str:
-    """The host as written in the URL, port included (the bulkhead's key)."""
-    return urlsplit(url).netloc.rsplit("@", 1)[-1].lower()
-
-
-def validate_target(url: str) -> None:
-    """At creation: http(s), a host, allowed by the allowlist, not a refused address."""
-    if len(url) > 2000:
-        raise ValueError("must be at most 2000 characters")
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https"):
-        raise ValueError(f"must be an http or https URL, not {parts.scheme or 'a relative'!r} one")
+    """The host as written in the URL, port included (the bulkhead's, breaker's and
+    pause's key), from the same parse as the connection's."""
     try:
-        hostname = parts.hostname
-        parts.port  # noqa: B018 - raises ValueError on a bad port
-    except ValueError as exc:
-        raise ValueError(f"has a bad host or port ({exc})") from exc
-    if not hostname:
-        raise ValueError("must name a host")
-    if parts.username or parts.password:
-        raise ValueError("must not carry a user name or password; use headers")
-    if hostname in REFUSED_HOSTNAMES or is_refused_address(hostname):
-        raise ValueError(f"host {hostname} is a link-local or metadata address, which is never called")
+        return (_parse(url).netloc or "").lower()
+    except ValueError:
+        # A stored target urllib3 cannot parse is never called (the worker checks it
+        # again); it still needs a key, so it gets its authority as written.
+        written = _AUTHORITY.match(url)
+        return written.group(1).lower() if written else ""
+
+
+def validate_target(url: str) -> ParsedTarget:
+    """At creation: http(s), a host read one way only, allowed by the allowlist, not a
+    refused address. Returns the parse, for callers that need the host."""
+    target = parse_target(url)
+    if target.hostname in REFUSED_HOSTNAMES or is_refused_address(target.hostname):
+        raise ValueError(f"host {target.host} is a link-local or metadata address, which is never called")
     allow = settings.SCHEDULER_TARGET_ALLOWLIST
-    if allow and not any(fnmatch.fnmatch(hostname, pattern.lower()) for pattern in allow):
-        raise ValueError(f"host {hostname} is not in SCHEDULER_TARGET_ALLOWLIST")
+    if allow and not any(fnmatch.fnmatchcase(target.hostname, pattern.lower()) for pattern in allow):
+        raise ValueError(f"host {target.host} is not in SCHEDULER_TARGET_ALLOWLIST")
+    return target
+
+
+def validate_notify(value: str) -> str:
+    """`notify`: an e-mail address (at most 254 characters, RFC 5321) or an https URL
+    checked like a target (it is called like one)."""
+    if "://" in value:
+        if not value.lower().startswith("https://"):
+            raise ValueError("must be an e-mail address or an https URL")
+        validate_target(value)
+        return value
+    if len(value) > 254:
+        raise ValueError(f"is {len(value)} characters; an e-mail address is at most 254")
+    try:
+        validate_email(value)
+    except DjangoValidationError as exc:
+        raise ValueError("must be an e-mail address or an https URL") from exc
+    return value
 
 
 def check_resolved_target(url: str) -> None:
@@ -90,11 +268,51 @@ def validate_method(method: str) -> str:
 # RFC 9110 "token": what a header name may be made of. Anything else (a NUL, a
 # control character) would fail later, in PostgreSQL or in the call itself.
 _TOKEN_RE = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+# RFC 9110 field-value, kept to what every hop sends the same way: visible ASCII,
+# space and tab. Not obs-text (bytes over 0x7f, which http.client sends as Latin-1
+# and a target may read as anything) and no control character (a line break would
+# start a header of its own).
+_FIELD_VALUE_RE = re.compile(r"[\t\x20-\x7e]*")
+# The worker sets these on every call (CONTRACT "What a target receives"): a job's
+# own value would be overwritten, so refusing it up front says so instead.
+SET_BY_SCHEDULER = frozenset(
+    {"idempotency-key", "x-fence-token", "x-run-id", "x-attempt", "x-scheduled-for", "x-signature"}
+)
+# Headers that frame the message or belong to one connection hop. On a pooled
+# keep-alive connection shared by every service, a job's Content-Length or
+# Transfer-Encoding would make the target read the next service's request as the
+# rest of this one (request smuggling); the HTTP client sets them itself.
+FRAMING_HEADERS = frozenset(
+    {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "te", "trailer", "upgrade"}
+)
 
 
 def validate_header_name(name: str) -> None:
-    if not name or any(c in name for c in " :\r\n\t") or not name.isascii() or not _TOKEN_RE.fullmatch(name):
-        raise ValueError(f"{name!r} is not a valid HTTP header name")
+    if not name or not name.isascii() or not _TOKEN_RE.fullmatch(name):
+        raise ValueError(f"{name!r} is not a valid HTTP header name (letters, digits and !#$%&'*+-.^_`|~ only)")
+
+
+def validate_header(name: object, value: object) -> None:
+    """One job header, checked the same for the API and the admin: a token name the
+    job may set, and a value the call sends byte for byte as stored."""
+    if not isinstance(name, str):
+        raise ValueError(f"{name!r} is not a header name")
+    validate_header_name(name)
+    lowered = name.lower()
+    if lowered in SET_BY_SCHEDULER:
+        raise ValueError(f"{name!r} is set by the scheduler on every call and cannot be given")
+    if lowered in FRAMING_HEADERS or lowered.startswith("proxy-"):
+        raise ValueError(
+            f"{name!r} frames the request or belongs to one connection hop; the HTTP client sets it, a job cannot"
+        )
+    if not isinstance(value, str):
+        raise ValueError(f"the value of {name!r} must be a string, not {type(value).__name__}")
+    if not _FIELD_VALUE_RE.fullmatch(value):
+        bad = next(c for c in value if not _FIELD_VALUE_RE.fullmatch(c))
+        raise ValueError(
+            f"the value of {name!r} must be visible ASCII, spaces and tabs only; it has {bad!r} "
+            f"at position {value.index(bad)}"
+        )
 
 
 # SCHEDULER_MIN_INTERVAL: the gaps of a schedule are read off a fixed sample of its
