@@ -61,6 +61,9 @@ class Job(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
     deleted_at = models.DateTimeField(null=True, blank=True)
+    # When the schedule, zone or one-off time last changed: the timetable goes on from
+    # there, never from before (runs.services.job_next_run_time).
+    timing_changed_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         db_table = "jobs"

@@ -97,6 +97,8 @@ def job_update(*, job: Job, fields: dict[str, Any], now: datetime | None = None)
         fields.setdefault("schedule", "")
     for key, value in fields.items():
         setattr(job, key, value)
+    if changed - {"window_seconds"}:
+        job.timing_changed_at = now
     job.save()
     if timing_changed and job.state != Job.State.COMPLETED:
         _replace_waiting_run(job, now)

@@ -117,8 +117,9 @@ def job_next_run_time(job: Job, *, latest: datetime | None, since: datetime | No
 
     - `latest`: the latest `scheduled_for` of the job's counted runs (COUNTED: not
       cancelled, not extra), the run that has just ended included, and
-    - `since`: the instant its timing was last changed, when the caller is that
-      change (an edit's new schedule starts from the edit, never earlier),
+    - `since`, or the job's `timing_changed_at`: the instant its timing was last
+      changed (an edit's new schedule starts from the edit, never earlier, also
+      when the run in flight during the edit ends after it),
 
     and `now` when there is neither (a new job). So after an edit
     `0 0 1 1 *` -> `*/5 * * * *` the next run follows the new schedule from the
@@ -129,7 +130,7 @@ def job_next_run_time(job: Job, *, latest: datetime | None, since: datetime | No
     if not job.is_recurring:
         assert job.run_at is not None
         return job.run_at
-    marks = [t for t in (latest, since) if t is not None]
+    marks = [t for t in (latest, since, job.timing_changed_at) if t is not None]
     return schedule.next_cron_time(job.schedule, job.timezone, max(marks) if marks else now)
 
 

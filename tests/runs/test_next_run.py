@@ -246,6 +246,19 @@ def test_a_schedule_edited_during_the_call_gives_the_next_run_on_the_new_schedul
     assert nxt.scheduled_for == next_cron("0 0 1 1 *", run.scheduled_for)  # not five minutes on
 
 
+def test_a_schedule_edited_during_the_call_goes_on_from_the_edit_not_from_the_run_in_flight(
+    service: Any, target: GatedTarget
+) -> None:
+    job = create(service.user, target.url("/ok"), schedule="0 * * * *")
+    run = queue_now(job)
+    edited_at = run.scheduled_for + timedelta(minutes=7)
+    edit = lambda: job_update(job=job, fields={"schedule": EVERY_5}, now=edited_at)  # noqa: E731
+    assert during_the_call(target, run, edit) == "succeeded"
+    [nxt] = open_normal_runs(job)
+    # The new schedule starts at the edit: its :05 time came before the schedule existed.
+    assert nxt.scheduled_for == run.scheduled_for + timedelta(minutes=10)
+
+
 def test_a_one_off_made_cron_during_the_call_is_not_completed(service: Any, target: GatedTarget) -> None:
     at = (timezone.now() + timedelta(seconds=30)).replace(microsecond=0)
     job = create(service.user, target.url("/ok"), schedule="", run_at=at)
