@@ -139,27 +139,33 @@ def test_a_bad_token_with_a_known_prefix_is_still_refused(capsys: pytest.Capture
 
 
 def test_a_legacy_authtoken_key_is_converted_to_a_hash_and_keeps_working(transactional_db: None) -> None:
-    """The migration turns every DRF authtoken key into a hashed row: old tokens keep working."""
+    """A database from before: DRF authtoken's table with a key in clear. The migration
+    turns every key into a hashed row and drops that table: old tokens keep working."""
     from django.db.migrations.executor import MigrationExecutor
 
     from jobs.tokens import token_digest
 
+    before = [("jobs", "0002_signingsecret_auditentry")]
     executor = MigrationExecutor(connection)
-    executor.migrate([("jobs", "0002_signingsecret_auditentry"), ("authtoken", "0004_alter_tokenproxy_options")])
-    executor.loader.build_graph()
-    old_apps = executor.loader.project_state(
-        [("jobs", "0002_signingsecret_auditentry"), ("authtoken", "0004_alter_tokenproxy_options")]
-    ).apps
+    executor.migrate(before)
+    old_apps = executor.loader.project_state(before).apps
     user = old_apps.get_model("auth", "User").objects.create(username="legacy", password="!")
     old_apps.get_model("jobs", "ServiceAccount").objects.create(user=user)
     key = "0123456789abcdef0123456789abcdef01234567"
-    old_apps.get_model("authtoken", "Token").objects.create(key=key, user=user)
+    with connection.cursor() as cursor:  # rest_framework.authtoken's table, as its migrations left it
+        cursor.execute(
+            "CREATE TABLE authtoken_token (key varchar(40) PRIMARY KEY, created timestamp with time zone NOT NULL,"
+            " user_id integer NOT NULL UNIQUE)"
+            if connection.vendor == "postgresql"
+            else "CREATE TABLE authtoken_token (key varchar(40) PRIMARY KEY, created datetime NOT NULL, user_id integer NOT NULL UNIQUE)"
+        )
+        cursor.execute("INSERT INTO authtoken_token VALUES (%s, %s, %s)", [key, "2026-01-02T03:04:05+00:00", user.pk])
 
     executor = MigrationExecutor(connection)
     executor.migrate(executor.loader.graph.leaf_nodes())
 
-    assert key not in every_stored_text()
-    assert token_digest(key) in every_stored_text()
+    assert "authtoken_token" not in connection.introspection.table_names()
+    assert key not in every_stored_text() and token_digest(key) in every_stored_text()
     assert api(key).get("/api/jobs/").status_code == 200
 
 
