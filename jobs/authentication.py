@@ -16,7 +16,7 @@ from typing import Any
 
 from django.conf import settings
 from django.core.cache import cache
-from rest_framework.authentication import BaseAuthentication, get_authorization_header
+from rest_framework.authentication import TokenAuthentication, get_authorization_header
 from rest_framework.exceptions import AuthenticationFailed, Throttled
 from rest_framework.request import Request
 
@@ -52,7 +52,12 @@ def failure_count(addr: str, now: float | None = None) -> None:
         cache.delete(key)
 
 
-class ServiceTokenAuthentication(BaseAuthentication):
+class ServiceTokenAuthentication(TokenAuthentication):
+    """DRF's TokenAuthentication's header and schema (drf-spectacular documents it as
+    `tokenAuth`), with tokens looked up by hash: DRF's own lookup is never used."""
+
+    keyword = KEYWORD
+
     def authenticate(self, request: Request) -> tuple[Any, str] | None:
         words = get_authorization_header(request).split()
         if not words or words[0].lower() != KEYWORD.lower().encode():
