@@ -141,18 +141,23 @@ def _demo_token() -> tuple[str, Path]:
     kept = path.read_text().strip() if path.exists() else ""
     if not kept or token_user(kept) is None:
         _, kept = service_account_ensure(name="demo")
-        os.close(os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600))
-        path.chmod(0o600)
-        path.write_text(kept + "\n")
+        _write_private(path, kept + "\n")
     return kept, path
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write `text` to a file only this account can read, private from its first byte."""
+    descriptor = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+    os.fchmod(descriptor, 0o600)  # an older file may have been wider
+    with os.fdopen(descriptor, "w") as handle:
+        handle.write(text)
 
 
 def _admin_password() -> str:
     """An `admin` superuser with a password kept in the data folder (made once)."""
     path = Path(settings.DATA_DIR) / "admin-password"
     if not path.exists():
-        path.write_text(secrets.token_urlsafe(12))
-        path.chmod(0o600)
+        _write_private(path, secrets.token_urlsafe(12))
     password = path.read_text().strip()
     user_model = get_user_model()
     admin, _ = user_model.objects.get_or_create(username="admin", defaults={"is_staff": True, "is_superuser": True})
