@@ -25,7 +25,7 @@ from django.utils.html import format_html, format_html_join
 
 from jobs import schedule, selectors, services
 from jobs.audit import audit_record
-from jobs.models import Job, ServiceAccount
+from jobs.models import Job, ServiceAccount, ServiceToken
 from jobs.ops import TriggerRefused, job_trigger
 from jobs.public_ids import parse_id
 from jobs.serializers import JobSerializer
@@ -506,3 +506,42 @@ class JobAdmin(admin.ModelAdmin):
 @admin.register(ServiceAccount)
 class ServiceAccountAdmin(admin.ModelAdmin):
     list_display = ("user", "created_at")
+
+
+@admin.register(ServiceToken)
+class ServiceTokenAdmin(admin.ModelAdmin):
+    """Tokens by prefix and dates only: the token itself is stored as a hash and was
+    shown once, when it was made (create_service_token). Revoking is the one change."""
+
+    list_display = ("prefix", "user", "created_at", "last_used_at", "revoked_at")
+    list_filter = (("revoked_at", admin.EmptyFieldListFilter),)
+    search_fields = ("=prefix", "user__username")
+    list_select_related = ("user",)
+    fields = readonly_fields = ("prefix", "user", "created_at", "last_used_at", "revoked_at")
+    actions = ["revoke_tokens"]
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False  # a token is made by create_service_token, which shows it once
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False  # revoked, not deleted: the row says when it stopped working
+
+    def get_actions(self, request: HttpRequest) -> dict[str, Any]:
+        # The change permission is off (nothing is edited), so the action asks for its own.
+        actions = super().get_actions(request)
+        if not request.user.has_perm("jobs.change_servicetoken"):
+            actions.pop("revoke_tokens", None)
+        return actions
+
+    @admin.action(description="Revoke selected tokens")
+    def revoke_tokens(self, request: HttpRequest, queryset: QuerySet[ServiceToken]) -> None:
+        with transaction.atomic():
+            live = list(queryset.filter(revoked_at__isnull=True).select_related("user"))
+            ServiceToken.objects.filter(pk__in=[t.pk for t in live]).update(revoked_at=timezone.now())
+            for token in live:
+                audit_record(actor=request.user, via="admin", action="token_revoked", obj=token.user,
+                             detail={"revoked": [token.prefix]})
+        self.message_user(request, f"Revoked {len(live)} token(s).", messages.SUCCESS)

@@ -129,3 +129,23 @@ class AuditEntry(models.Model):
 
     def __str__(self) -> str:
         return f"{self.at:%Y-%m-%dT%H:%M:%SZ} {self.actor} {self.action} {self.object_type} {self.object_id}"
+
+
+class ServiceToken(models.Model):
+    """An API token, stored as its SHA-256 only (jobs.tokens): the token itself is
+    shown once, when it is made. `prefix` (its first characters) names it in the
+    admin and the audit log; a service may hold several, each revoked on its own."""
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="service_tokens")
+    prefix = models.CharField(max_length=8)
+    digest = models.CharField(max_length=64, unique=True)  # hex SHA-256 of the whole token
+    created_at = models.DateTimeField(auto_now_add=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        db_table = "service_tokens"
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.prefix}…"

@@ -257,14 +257,16 @@ def job_backfill(*, job: Job, times: list[datetime], now: datetime | None = None
 
 @transaction.atomic
 def service_account_ensure(*, name: str, email: str = "") -> tuple[Any, str]:
-    """Create (or find) the service account NAME; returns (user, API token key).
+    """Create (or find) the service account NAME and make it a new API token;
+    returns (user, that token). Tokens are stored hashed (jobs.tokens), so a token
+    can only be handed out when it is made; the service's earlier tokens keep working.
 
     Its user has no usable password and is not staff: it cannot log into the admin.
     """
     from django.contrib.auth import get_user_model
-    from rest_framework.authtoken.models import Token
 
     from jobs.models import ServiceAccount
+    from jobs.tokens import token_issue
     from runs.signing import signing_secret_ensure
 
     user_model = get_user_model()
@@ -276,5 +278,4 @@ def service_account_ensure(*, name: str, email: str = "") -> tuple[Any, str]:
         raise ValueError(f"{name!r} is a person's account, not a service account")
     account, _ = ServiceAccount.objects.get_or_create(user=user)
     signing_secret_ensure(service=account)  # its first X-Signature key (runs.signing)
-    token, _ = Token.objects.get_or_create(user=user)
-    return user, token.key
+    return user, token_issue(user=user)

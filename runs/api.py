@@ -1,8 +1,9 @@
 """`GET /api/breakers/`: each target host's circuit breaker, and its bulkhead use.
 
 Breakers are per host and hosts are shared between services, so a service sees
-the breakers of the hosts its own jobs call (whoever else calls them too); staff
-see every host. A host that never failed has no breaker row: it is closed.
+the breakers of the hosts its own jobs call (whoever else calls them too), with
+failure text (`last_error`, and in `history`) from its own runs only: a target's
+answer may echo another service's request. Staff see every host and all text. A host that never failed has no breaker row: it is closed.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ class BreakerSerializer(serializers.Serializer):
     opened_at = serializers.DateTimeField(allow_null=True)
     next_probe_at = serializers.DateTimeField(allow_null=True, help_text="When one held run is let through as a probe.")
     last_failure_at = serializers.DateTimeField(allow_null=True)
-    last_error = serializers.CharField()
+    last_error = serializers.CharField(help_text="The last failure's text, when it was one of the caller's runs (staff: any); else empty.")
     in_flight = serializers.IntegerField(help_text="Calls in flight to the host now (bulkhead slots taken).")
     history = TransitionSerializer(many=True, help_text="The latest changes of state, newest first.")
 
@@ -49,5 +50,5 @@ class BreakerList(ListAPIView):
         page = self.paginate_queryset(self.get_queryset())
         now = claims.store_now()  # slot leases and probe times are in the store's clock
         busy = bulkhead.in_flight([b.host for b in page], now=now)
-        rows = [breakers.row(b, now, busy.get(b.host, 0)) for b in page]
+        rows = [breakers.row(b, now, busy.get(b.host, 0), viewer=request.user) for b in page]
         return self.get_paginated_response(BreakerSerializer(rows, many=True).data)

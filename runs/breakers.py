@@ -111,19 +111,33 @@ def _success(host: str, holder: str, now: datetime) -> None:
         TargetBreaker.objects.filter(host=host, failures__gt=0).update(failures=0)
 
 
+def _owner_of(holder: str) -> int | None:
+    """The user whose run holds `holder` ("<run id>/<worker>", runs.services), if any."""
+    from runs.models import Run
+
+    run_id = holder.split("/", 1)[0]
+    if not run_id.isdigit():
+        return None
+    return Run.objects.filter(pk=int(run_id)).values_list("job__owner_id", flat=True).first()
+
+
 def _failure(host: str, holder: str, error: str, now: datetime) -> None:
+    owner = _owner_of(holder)
     TargetBreaker.objects.bulk_create([TargetBreaker(host=host)], ignore_conflicts=True)
     TargetBreaker.objects.filter(host=host).update(
-        failures=F("failures") + 1, last_failure_at=now, last_error=error[:500]
+        failures=F("failures") + 1, last_failure_at=now, last_error=error[:500], last_error_owner_id=owner
     )
+    # The failure text is kept apart from the reason, with its owner: rows show it to
+    # that service and staff only.
+    said = {"last_error": error[:200], "owner": owner}
     again = TargetBreaker.objects.filter(host=host, state=B.HALF_OPEN, probe_holder=holder)
     if again.update(state=B.OPEN, next_probe_at=now + cooldown(), probe_holder="", probe_until=None):
-        _transition(host, B.OPEN, now, reason=f"the probe failed: {error[:200]}")
+        _transition(host, B.OPEN, now, reason="the probe failed", **said)
         return
     threshold = max(1, int(settings.SCHEDULER_BREAKER_FAILURES))
     trip = TargetBreaker.objects.filter(host=host, state=B.CLOSED, failures__gte=threshold)
     if trip.update(state=B.OPEN, opened_at=now, next_probe_at=now + cooldown()):
-        _transition(host, B.OPEN, now, reason=f"{threshold} failures in a row; last: {error[:200]}")
+        _transition(host, B.OPEN, now, reason=f"{threshold} failures in a row", **said)
 
 
 def _transition(host: str, state: str, now: datetime, **detail: Any) -> None:
@@ -155,7 +169,11 @@ def breakers_for(user: Any) -> QuerySet[TargetBreaker]:
     return rows.filter(host__in={target_host(t) for t in targets})
 
 
-def row(breaker: TargetBreaker, now: datetime, in_flight: int, history: int = 10) -> dict[str, Any]:
+def row(
+    breaker: TargetBreaker, now: datetime, in_flight: int, history: int = 10, viewer: Any = None
+) -> dict[str, Any]:
+    """One breaker as shown to `viewer`: staff (or None, the admin) see every failure's
+    text; a service sees the host's state, and failure text from its own runs only."""
     return {
         "host": breaker.host,
         "state": shown_state(breaker, now),
@@ -163,12 +181,28 @@ def row(breaker: TargetBreaker, now: datetime, in_flight: int, history: int = 10
         "opened_at": breaker.opened_at,
         "next_probe_at": breaker.next_probe_at,
         "last_failure_at": breaker.last_failure_at,
-        "last_error": breaker.last_error,
+        "last_error": breaker.last_error if _sees_text(viewer, breaker.last_error_owner_id) else "",
         "in_flight": in_flight,
         "history": [
-            {"at": t.at, "state": t.state, "detail": t.detail} for t in breaker.transitions.all()[:history]
+            {"at": t.at, "state": t.state, "detail": shown_detail(t.detail, viewer)}
+            for t in breaker.transitions.all()[:history]
         ],
     }
+
+
+def _sees_text(viewer: Any, owner_id: int | None) -> bool:
+    return viewer is None or getattr(viewer, "is_staff", False) or (owner_id is not None and owner_id == viewer.pk)
+
+
+def shown_detail(detail: dict[str, Any], viewer: Any) -> dict[str, Any]:
+    """A transition's detail without the owner's id, and without another service's text."""
+    shown = {k: v for k, v in detail.items() if k != "owner"}
+    if "last_error" in detail and not _sees_text(viewer, detail.get("owner")):
+        shown.pop("last_error")
+    elif "owner" not in detail and not _sees_text(viewer, None) and isinstance(detail.get("reason"), str):
+        # Written before failure text was kept apart: "...; last: <text>", "...: <text>".
+        shown["reason"] = detail["reason"].split("; last:", 1)[0].split(": ", 1)[0]
+    return shown
 
 
 def breaker_states(now: datetime | None = None) -> list[dict[str, Any]]:

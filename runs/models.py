@@ -1,6 +1,7 @@
 """The run: one execution of a job at one scheduled time, and its timeline."""
 from __future__ import annotations
 
+from django.conf import settings
 from django.db import models
 
 from jobs.models import Job
@@ -172,6 +173,11 @@ class TargetBreaker(models.Model):
     probe_until = models.DateTimeField(null=True, blank=True)  # a probe whose worker died frees itself
     last_failure_at = models.DateTimeField(null=True, blank=True)
     last_error = models.TextField(blank=True)
+    # Whose run that failure was: a host is shared, its failure text (a target may echo
+    # the request, secrets and all) is shown to that service and staff only.
+    last_error_owner = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:

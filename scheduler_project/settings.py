@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import secrets
+from datetime import timedelta
 from pathlib import Path
 
 import dj_database_url
@@ -45,14 +46,31 @@ def env_list(name: str, default: str = "") -> list[str]:
     return [part.strip() for part in env_str(name, default).split(",") if part.strip()]
 
 
+def private_file(path: Path) -> Path:
+    """Make `path` (if missing) readable and writable by this account only, from its
+    first byte: created 0600, not written and then narrowed. An old one is narrowed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+    path.chmod(0o600)
+    return path
+
+
 def embedded_secret_key() -> str:
     # The embedded mode makes one secret and keeps it, so sessions survive restarts.
     path = DATA_DIR / "secret_key"
-    if not path.exists():
-        DATA_DIR.mkdir(parents=True, exist_ok=True)
-        path.write_text(secrets.token_urlsafe(50))
-        path.chmod(0o600)
+    if not path.exists() or not path.read_text().strip():
+        private_file(path).write_text(secrets.token_urlsafe(50))
     return path.read_text().strip()
+
+
+def embedded_database() -> Path:
+    # SQLite makes the -wal and -shm files with the database file's own mode, so a
+    # private database file keeps its journal private too (tokens' hashes, secrets).
+    path = private_file(DATA_DIR / "scheduler.sqlite3")
+    for journal in ("scheduler.sqlite3-wal", "scheduler.sqlite3-shm"):
+        if (DATA_DIR / journal).exists():
+            (DATA_DIR / journal).chmod(0o600)
+    return path
 
 
 EMBEDDED = not env_str("DATABASE_URL")
@@ -62,7 +80,7 @@ if EMBEDDED:
     DATABASES = {
         "default": {
             "ENGINE": "django.db.backends.sqlite3",
-            "NAME": DATA_DIR / "scheduler.sqlite3",
+            "NAME": embedded_database(),
             "OPTIONS": {
                 # Several processes share the file: wait for locks, take the
                 # write lock up front, and let readers go on while one writes.
@@ -100,7 +118,7 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "rest_framework",
-    "rest_framework.authtoken",
+    "axes",  # admin login lockout (docs/security.md)
     "drf_spectacular",
     "drf_spectacular_sidecar",  # Swagger UI's assets, served locally: /api/docs/ works offline
     "jobs",
@@ -120,7 +138,49 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "jobs.audit.AuditContextMiddleware",  # the caller's address, for audit entries
+    "csp.middleware.CSPMiddleware",  # Content-Security-Policy (below)
+    "axes.middleware.AxesMiddleware",  # last: answers a locked-out login attempt
 ]
+
+# --- Login guessing (docs/security.md). The admin login: django-axes locks out a
+# username, and separately an address, after SCHEDULER_LOGIN_FAILURES failed logins,
+# for SCHEDULER_LOGIN_LOCKOUT seconds (a success resets the user's count). API tokens:
+# jobs.authentication locks out an address after SCHEDULER_TOKEN_FAILURES bad tokens
+# for SCHEDULER_TOKEN_LOCKOUT seconds (429 with Retry-After), counted in the cache.
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+SCHEDULER_LOGIN_FAILURES = env_int("SCHEDULER_LOGIN_FAILURES", 10)
+SCHEDULER_LOGIN_LOCKOUT = env_int("SCHEDULER_LOGIN_LOCKOUT", 900)
+AXES_FAILURE_LIMIT = SCHEDULER_LOGIN_FAILURES
+AXES_COOLOFF_TIME = timedelta(seconds=SCHEDULER_LOGIN_LOCKOUT)
+AXES_LOCKOUT_PARAMETERS = ["username", "ip_address"]  # each on its own: a user, and an address
+AXES_RESET_ON_SUCCESS = True
+AXES_CLIENT_IP_CALLABLE = "jobs.audit.client_address"  # the audit log's idea of the caller's address
+AXES_VERBOSE = False
+SCHEDULER_TOKEN_FAILURES = env_int("SCHEDULER_TOKEN_FAILURES", 20)
+SCHEDULER_TOKEN_LOCKOUT = env_int("SCHEDULER_TOKEN_LOCKOUT", 300)
+
+# --- Content-Security-Policy (django-csp) on every page: the admin and /api/docs/ load
+# scripts, styles, images and fonts from the scheduler itself only; nothing inline may
+# run (the docs page's start-up script is a separate request: urls.py), nothing may
+# frame a page, no plug-ins. Styles allow 'unsafe-inline' because Swagger UI sets
+# style attributes from its scripts (a style cannot run code).
+CONTENT_SECURITY_POLICY = {
+    "DIRECTIVES": {
+        "default-src": ["'self'"],
+        "script-src": ["'self'"],
+        "style-src": ["'self'", "'unsafe-inline'"],
+        "img-src": ["'self'", "data:"],
+        "font-src": ["'self'"],
+        "connect-src": ["'self'"],
+        "object-src": ["'none'"],
+        "base-uri": ["'self'"],
+        "form-action": ["'self'"],
+        "frame-ancestors": ["'none'"],
+    }
+}
 
 # --- Transport security (docs/security.md). The production layout is safe by default:
 # secure cookies and HSTS; `check --deploy` is clean once TLS is in front
@@ -181,7 +241,7 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_REQUEST_BODY_BYTES
 MAX_PAYLOAD_BYTES = 256 * 1024
 
 REST_FRAMEWORK = {
-    "DEFAULT_AUTHENTICATION_CLASSES": ["rest_framework.authentication.TokenAuthentication"],
+    "DEFAULT_AUTHENTICATION_CLASSES": ["jobs.authentication.ServiceTokenAuthentication"],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_PAGINATION_CLASS": "jobs.pagination.StrictPageNumberPagination",  # ?page=x is a 400, not page 1
     "PAGE_SIZE": 50,

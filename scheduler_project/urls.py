@@ -4,7 +4,7 @@ from __future__ import annotations
 from django.conf import settings
 from django.contrib import admin
 from django.urls import include, path
-from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
 from rest_framework.routers import SimpleRouter
 
 from jobs.api import AuditViewSet, JobViewSet, RunViewSet
@@ -26,7 +26,9 @@ urlpatterns = [
     # no data), so a browser can open the docs page; its assets are served from
     # drf-spectacular-sidecar's static files, not a CDN.
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
-    path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
+    # The split view serves Swagger UI's start-up script as its own request (?script=),
+    # not inline: the Content-Security-Policy allows no inline script (settings.py).
+    path("api/docs/", SpectacularSwaggerSplitView.as_view(url_name="schema"), name="docs"),
     # Prometheus text format (CONTRACT "Operations surface"); SCHEDULER_METRICS_TOKEN, if set, guards it.
     path("metrics", metrics_view, name="metrics"),
 ]

@@ -6,10 +6,10 @@ from typing import Any
 import pytest
 from django.contrib.auth import get_user_model
 from django.core.cache import cache
-from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from jobs.models import Job
+from jobs.tokens import token_issue
 from runs.models import Run, RunEvent
 
 
@@ -22,9 +22,8 @@ def _fresh_throttle() -> None:
 @pytest.fixture
 def staff_client(db: None) -> APIClient:
     user = get_user_model().objects.create_user("ops-person", is_staff=True)
-    token = Token.objects.create(user=user)
     client = APIClient()
-    client.credentials(HTTP_AUTHORIZATION=f"Token {token.key}")
+    client.credentials(HTTP_AUTHORIZATION=f"Token {token_issue(user=user)}")
     return client
 
 

@@ -54,9 +54,9 @@ def test_an_operator_sees_the_actions(operator_client: Client, owner: Any) -> No
 
 
 def test_a_service_token_cannot_log_into_the_admin(owner: Any) -> None:
-    from rest_framework.authtoken.models import Token
+    from jobs.tokens import token_issue
 
-    token = Token.objects.get(user=owner).key
+    token = token_issue(user=owner)
     client = Client()
     response = client.post("/admin/login/", {"username": owner.username, "password": token})
     assert response.status_code == 200 and "Please enter the correct username and password" in response.content.decode()

@@ -12,9 +12,9 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.test import override_settings
 from django.utils import timezone
-from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
+from jobs.tokens import token_issue
 from jobs.validators import target_host
 from runs import breakers
 from runs.invariants import timelines
@@ -125,7 +125,8 @@ def test_the_api_shows_a_service_the_breakers_of_its_own_hosts_and_staff_every_h
     make_job(other_service.user, target="https://billing.internal/charge")
     now = timezone.now()
     TargetBreaker.objects.create(host="reports.internal:8443", state=B.OPEN, failures=5, opened_at=now,
-                                 next_probe_at=now + timedelta(seconds=30), last_error="HTTP 503")
+                                 next_probe_at=now + timedelta(seconds=30), last_error="HTTP 503",
+                                 last_error_owner=service.user)  # its own run's failure (tests/trust/test_breakers_tenancy.py)
     TargetBreaker.objects.create(host="billing.internal", failures=2)
 
     mine = service.get("/api/breakers/").json()
@@ -136,7 +137,7 @@ def test_the_api_shows_a_service_the_breakers_of_its_own_hosts_and_staff_every_h
 
     staff = get_user_model().objects.create_user("ops", password="x", is_staff=True)
     client = APIClient()
-    client.credentials(HTTP_AUTHORIZATION=f"Token {Token.objects.create(user=staff).key}")
+    client.credentials(HTTP_AUTHORIZATION=f"Token {token_issue(user=staff)}")
     every = client.get("/api/breakers/").json()
     assert [r["host"] for r in every["results"]] == ["billing.internal", "reports.internal:8443"]
     assert APIClient().get("/api/breakers/").status_code == 401

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 from django.contrib.auth import get_user_model
 from django.core.cache import cache
-from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
+from jobs.tokens import token_issue
 from runs import signing
 
 
@@ -27,7 +27,7 @@ def _fresh_throttle_and_signers() -> Iterator[None]:
 def staff_client(db: None) -> APIClient:
     user = get_user_model().objects.create_user("ops-person", is_staff=True)
     client = APIClient()
-    client.credentials(HTTP_AUTHORIZATION=f"Token {Token.objects.create(user=user).key}")
+    client.credentials(HTTP_AUTHORIZATION=f"Token {token_issue(user=user)}")
     return client
 
 

@@ -129,7 +129,8 @@ def test_commands_are_audited_with_the_os_user_and_the_host(capsys: pytest.Captu
 
     assert [(e.action, e.object_type, e.object_id) for e in AuditEntry.objects.order_by("id")] == [
         ("created", "service", "reports"),
-        ("token_shown", "service", "reports"),
+        ("token_created", "service", "reports"),  # each token made is audited (by prefix)
+        ("token_created", "service", "reports"),
         ("signing_secret_rotated", "service", "reports"),
         ("token_rotated", "service", "reports"),
         ("token_revoked", "service", "reports"),

@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 from django.core.management import call_command
 from django.urls import URLPattern, URLResolver, get_resolver, reverse
-from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from jobs.models import Job
@@ -138,7 +137,7 @@ def test_a_rotated_token_replaces_the_old_one_at_once(service: Service, capsys: 
     call_command("rotate_service_token", "reports")
 
     new = capsys.readouterr().out
-    assert new.endswith("\n") and new.strip() == Token.objects.get(user=service.user).key and new.strip() != service.token
+    assert new.endswith("\n") and new.count("\n") == 1 and new.strip() != service.token
     assert service.get("/api/jobs/").status_code == 401
     fresh = APIClient()
     fresh.credentials(HTTP_AUTHORIZATION=f"Token {new.strip()}")

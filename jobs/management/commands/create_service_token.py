@@ -1,4 +1,4 @@
-"""`python manage.py create_service_token NAME`: prints only the API token."""
+"""`python manage.py create_service_token NAME`: prints only a new API token."""
 from __future__ import annotations
 
 from typing import Any
@@ -9,10 +9,15 @@ from django.db import transaction
 from jobs.audit import audit_record
 from jobs.models import ServiceAccount
 from jobs.services import service_account_ensure
+from jobs.tokens import PREFIX_LENGTH
 
 
 class Command(BaseCommand):
-    help = "Create (or find) the service account NAME and print only its API token."
+    help = (
+        "Create the service account NAME if needed and print only a new API token for it. "
+        "Tokens are stored hashed: this is the only time the token is shown. The service's "
+        "other tokens keep working (rotate_service_token revokes them)."
+    )
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("name")
@@ -26,8 +31,12 @@ class Command(BaseCommand):
         try:
             with transaction.atomic():
                 user, token = service_account_ensure(name=name, email=email)
-                # Showing an existing token is a read of a credential: audited too.
-                audit_record(actor=None, via="command", action="token_shown" if existed else "created", obj=user)
+                if not existed:
+                    audit_record(actor=None, via="command", action="created", obj=user)
+                audit_record(
+                    actor=None, via="command", action="token_created", obj=user,
+                    detail={"prefix": token[:PREFIX_LENGTH]},
+                )
         except ValueError as exc:
             raise CommandError(str(exc)) from exc
         self.stdout.write(token)

@@ -5,14 +5,14 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandParser
 from django.db import transaction
-from rest_framework.authtoken.models import Token
 
 from jobs.audit import audit_record
 from jobs.management.commands._services import get_service
+from jobs.tokens import PREFIX_LENGTH, token_issue, tokens_revoke
 
 
 class Command(BaseCommand):
-    help = "Give service NAME a new API token and print only it; the old token stops working at once."
+    help = "Give service NAME a new API token and print only it; every other token of NAME stops working at once."
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("name")
@@ -20,7 +20,10 @@ class Command(BaseCommand):
     def handle(self, *args: Any, name: str, **options: Any) -> None:
         service = get_service(name)
         with transaction.atomic():
-            Token.objects.filter(user=service.user).delete()
-            token = Token.objects.create(user=service.user)
-            audit_record(actor=None, via="command", action="token_rotated", obj=service)
-        self.stdout.write(token.key)
+            token = token_issue(user=service.user)
+            revoked = tokens_revoke(user=service.user, keep=token)
+            audit_record(
+                actor=None, via="command", action="token_rotated", obj=service,
+                detail={"prefix": token[:PREFIX_LENGTH], "revoked": revoked},
+            )
+        self.stdout.write(token)

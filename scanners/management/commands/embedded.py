@@ -2,7 +2,7 @@
 
 Runs the API and admin (runserver), one scanner and one Celery worker as child
 processes on the embedded defaults (a SQLite file, a file-system broker and the
-single-node coordinator), prints the admin URL, a login and an API token,
+single-node coordinator), prints the admin URL, a login and where its API token is kept,
 creates a demo job against the built-in echo target and shows its run's
 timeline until it succeeds. For one machine only: production uses PostgreSQL,
 Redis and ZooKeeper (README).
@@ -26,6 +26,7 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from jobs.services import service_account_ensure
+from jobs.tokens import token_user
 
 ROOT = Path(settings.BASE_DIR)
 
@@ -45,7 +46,7 @@ class Command(BaseCommand):
             raise CommandError(f"port {port} is already in use; pass --port")
         call_command("migrate", verbosity=0)
         password = _admin_password()
-        _, token = service_account_ensure(name="demo")
+        token, token_file = _demo_token()
         base = f"http://127.0.0.1:{port}"
         children = self._start_children(port)
         try:
@@ -53,14 +54,14 @@ class Command(BaseCommand):
             self.stdout.write(
                 "Embedded scheduler (one machine only: SQLite, file broker, single-node coordinator)\n"
                 f"  admin:     {base}/admin/  (user admin, password {password})\n"
-                f"  API:       {base}/api/    (Authorization: Token {token})\n"
+                f"  API:       {base}/api/    (Authorization: Token $(cat {token_file}))\n"
                 f"  API docs:  {base}/api/docs/\n"
                 f"  data:      {settings.DATA_DIR}\n"
             )
             ok = self._demo(base, token, demo_timeout)
             if exit_after_demo:
                 if not ok:
-                    raise CommandError("the demo run did not succeed in time")
+                    raise CommandError("the demo run did not succeed (see above)")
                 return
             self.stdout.write("Running. Ctrl-C stops everything.")
             self.stdout.flush()
@@ -87,11 +88,15 @@ class Command(BaseCommand):
     def _demo(self, base: str, token: str, timeout: float) -> bool:
         http = requests.Session()
         http.headers["Authorization"] = f"Token {token}"
-        job = http.post(
+        answer = http.post(
             f"{base}/api/jobs/",
             json={"name": "demo-echo", "delay": "2s", "target": f"{base}/demo/echo/", "payload": {"hello": "world"}},
             timeout=10,
-        ).json()
+        )
+        if answer.status_code != 201:
+            self.stderr.write(_demo_refused(answer))
+            return False
+        job = answer.json()
         run_id = job["next_run"]["id"]
         self.stdout.write(f"Demo job {job['id']} created; watching run {run_id} (GET /api/runs/{run_id}/):")
         shown = 0
@@ -118,12 +123,41 @@ def _detail(detail: dict[str, Any]) -> str:
     return " ".join(f"{k}={v}" for k, v in detail.items())
 
 
+def _demo_refused(answer: requests.Response) -> str:
+    """One line saying why the demo job was refused, and what to do instead."""
+    if settings.SCHEDULER_TARGET_ALLOWLIST and answer.status_code == 400 and "target" in answer.text:
+        allowed = ",".join(settings.SCHEDULER_TARGET_ALLOWLIST)
+        return (
+            f"The demo job calls the built-in echo target on 127.0.0.1, which SCHEDULER_TARGET_ALLOWLIST={allowed} "
+            "refuses: add 127.0.0.1 to it (or unset it) to see the demo; the scheduler itself runs as configured."
+        )
+    return f"The demo job was refused (HTTP {answer.status_code}): {answer.text[:300]!r}"
+
+
+def _demo_token() -> tuple[str, Path]:
+    """The demo service's API token, kept in the data folder (0600). Tokens are stored
+    hashed, so the file is the only copy: a missing or revoked one is replaced."""
+    path = Path(settings.DATA_DIR) / "api-token"
+    kept = path.read_text().strip() if path.exists() else ""
+    if not kept or token_user(kept) is None:
+        _, kept = service_account_ensure(name="demo")
+        _write_private(path, kept + "\n")
+    return kept, path
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write `text` to a file only this account can read, private from its first byte."""
+    descriptor = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+    os.fchmod(descriptor, 0o600)  # an older file may have been wider
+    with os.fdopen(descriptor, "w") as handle:
+        handle.write(text)
+
+
 def _admin_password() -> str:
     """An `admin` superuser with a password kept in the data folder (made once)."""
     path = Path(settings.DATA_DIR) / "admin-password"
     if not path.exists():
-        path.write_text(secrets.token_urlsafe(12))
-        path.chmod(0o600)
+        _write_private(path, secrets.token_urlsafe(12))
     password = path.read_text().strip()
     user_model = get_user_model()
     admin, _ = user_model.objects.get_or_create(username="admin", defaults={"is_staff": True, "is_superuser": True})
