@@ -33,7 +33,7 @@ def hash_legacy_keys(apps, schema_editor):
 class Migration(migrations.Migration):
 
     dependencies = [
-        ("jobs", "0002_signingsecret_auditentry"),
+        ("jobs", "0004_job_timing_changed_at"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
