@@ -663,7 +663,8 @@ def notify_dead(*, run_id: int, reason: str) -> None:
     logger.warning("run %s of %s is dead: %s", run.public_id, job.public_id, reason)
     run_dead.send(sender=Run, run=run, reason=reason)
     recipient = job.notify or job.owner.email
-    if recipient:
+    # `notify` may also be an https URL (a webhook); only an address gets an e-mail.
+    if recipient and "@" in recipient and not recipient.startswith("https://"):
         send_mail(
             subject=f"[scheduler] {job.name or job.public_id}: run {run.public_id} is dead",
             message=(
