@@ -225,14 +225,19 @@ def call(request: Request, *, timeout_seconds: float) -> CallResult:
         answer = _exchange(request, deadline)
     except Exception as exc:
         deadline.finish()
-        return CallResult(error=_failure(exc, deadline, timeout_seconds), duration_ms=_ms(started))
-    excerpt = "" if 200 <= answer.status < 300 else _excerpt(answer.body, request.secrets, cut=answer.cut)
-    return CallResult(
-        status=answer.status,
-        duration_ms=_ms(started),
-        retry_after_seconds=parse_retry_after(answer.retry_after),
-        excerpt=excerpt,
-    )
+        result = CallResult(error=_failure(exc, deadline, timeout_seconds), duration_ms=_ms(started))
+    else:
+        excerpt = "" if 200 <= answer.status < 300 else _excerpt(answer.body, request.secrets, cut=answer.cut)
+        result = CallResult(
+            status=answer.status,
+            duration_ms=_ms(started),
+            retry_after_seconds=parse_retry_after(answer.retry_after),
+            excerpt=excerpt,
+        )
+    # No path, header or answer text here: the status or the fixed words only.
+    logger.debug("%s %s: %s in %d ms", request.method, parse_url(request.url).netloc,
+                 result.status or result.error, result.duration_ms)
+    return result
 
 
 @dataclass(frozen=True)
