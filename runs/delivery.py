@@ -19,6 +19,7 @@ from typing import Callable, Generic, TypeVar
 
 from django.conf import settings
 from urllib3.exceptions import HTTPError as Urllib3Error, NameResolutionError, SSLError as Urllib3SSLError
+from urllib3.exceptions import NewConnectionError, TimeoutError as Urllib3TimeoutError
 from urllib3.util import parse_url
 
 from jobs.models import Job
@@ -330,9 +331,9 @@ def _wire_headers(request: Request, origin: Origin) -> dict[str, str]:
 
 def _failure(exc: Exception, deadline: Deadline, timeout_seconds: float) -> str:
     """The fixed words for a call that got no answer."""
-    if deadline.fired or isinstance(exc, TimeoutError) or time.monotonic() >= deadline.at:
-        return f"{TIMED_OUT} after {timeout_seconds:g}s"
     causes = _causes(exc)
+    if deadline.fired or time.monotonic() >= deadline.at or any(_is_timeout(c) for c in causes):
+        return f"{TIMED_OUT} after {timeout_seconds:g}s"
     if any(isinstance(c, (socket.gaierror, NameResolutionError)) for c in causes):
         return DNS_FAILURE
     if any(isinstance(c, (ssl.SSLError, ssl.CertificateError, Urllib3SSLError)) for c in causes):
@@ -348,6 +349,13 @@ def _failure(exc: Exception, deadline: Deadline, timeout_seconds: float) -> str:
     # Not the target's doing: worth a log line (its type only: its text may hold a header).
     logger.warning("a call failed unexpectedly: %s", type(exc).__name__)
     return REQUEST_FAILED
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    # urllib3's NewConnectionError is a subclass of its connect timeout: not one.
+    return isinstance(exc, TimeoutError) or (
+        isinstance(exc, Urllib3TimeoutError) and not isinstance(exc, NewConnectionError)
+    )
 
 
 def _causes(exc: BaseException) -> list[BaseException]:

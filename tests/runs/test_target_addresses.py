@@ -98,3 +98,66 @@ def test_a_name_resolving_to_a_metadata_address_on_the_check_is_refused(
     assert checked.requests() == []
     run.refresh_from_db()
     assert "link-local or metadata" in run.last_error
+
+
+def self_signed(name: str, directory: Any) -> tuple[str, str]:
+    """A certificate for `name` no CA vouches for, and its key (PEM files)."""
+    from datetime import datetime, timedelta, timezone as dt_timezone
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.now(dt_timezone.utc)
+    cert = (
+        x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(now - timedelta(minutes=1))
+        .not_valid_after(now + timedelta(hours=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return str(cert_path), str(key_path)
+
+
+def test_an_https_call_to_the_pinned_address_still_names_the_host_for_sni_and_the_certificate(
+    service: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    import ssl
+    import threading
+
+    cert, key = self_signed("pinned.test", tmp_path)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    names: list[str | None] = []
+    context.sni_callback = lambda sock, name, ctx: names.append(name)  # type: ignore[assignment,misc]
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(5)
+    port = listener.getsockname()[1]
+
+    def serve() -> None:
+        try:
+            conn, _ = listener.accept()
+            with context.wrap_socket(conn, server_side=True) as tls:
+                tls.recv(1)
+        except OSError:
+            pass  # the worker does not trust this certificate: it hangs up in the handshake
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    Resolver(monkeypatch, "pinned.test", ["127.0.0.1", "127.0.0.2"])
+    run = queued_run(service.user, f"https://pinned.test:{port}/hook", timeout_seconds=2)
+    try:
+        assert run_execute(run_id=run.pk) == "retry_scheduled"
+        thread.join(5)
+    finally:
+        listener.close()
+    assert names == ["pinned.test"]  # SNI names the host, though the socket went to 127.0.0.1
+    run.refresh_from_db()
+    assert run.last_error == "TLS error"  # and the certificate was checked (no CA vouches for this one)
