@@ -18,13 +18,14 @@ import socket
 import ssl
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import certifi
 from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.util.wait import wait_for_read
 
-IDLE_PER_ORIGIN = 8  # idle keep-alive connections kept per origin; more are closed
+MAX_ORIGINS = 256  # origins with idle connections kept; the least recently used one's are closed
 
 
 @dataclass(frozen=True)
@@ -74,11 +75,13 @@ def is_quiet(conn: HTTPConnection) -> bool:
 
 
 class IdleConnections:
-    """Open keep-alive connections waiting for the next call to the same origin."""
+    """Open keep-alive connections waiting for the next call to the same origin: at
+    most `per_origin` each, for the MAX_ORIGINS origins used last."""
 
-    def __init__(self) -> None:
+    def __init__(self, per_origin: int = 8) -> None:
+        self.per_origin = per_origin
         self._lock = threading.Lock()
-        self._idle: dict[Origin, list[HTTPConnection]] = {}
+        self._idle: OrderedDict[Origin, list[HTTPConnection]] = OrderedDict()
 
     def take(self, origin: Origin) -> HTTPConnection | None:
         """The most recently used idle connection that is still quiet, or None."""
@@ -93,13 +96,19 @@ class IdleConnections:
             conn.close()  # the target closed it, or left bytes on it: never reused
 
     def give(self, origin: Origin, conn: HTTPConnection) -> None:
+        evicted: list[HTTPConnection] = []
+        kept = False
         if is_quiet(conn):
             with self._lock:
                 waiting = self._idle.setdefault(origin, [])
-                if len(waiting) < IDLE_PER_ORIGIN:
+                self._idle.move_to_end(origin)
+                if len(waiting) < self.per_origin:
                     waiting.append(conn)
-                    return
-        conn.close()
+                    kept = True
+                while len(self._idle) > MAX_ORIGINS:
+                    evicted.extend(self._idle.popitem(last=False)[1])
+        for old in evicted if kept else [*evicted, conn]:
+            old.close()
 
     def clear(self) -> None:
         with self._lock:

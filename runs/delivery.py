@@ -75,7 +75,7 @@ class _PerProcess(Generic[T]):
 
 # The worker process's idle keep-alive connections, by origin (runs.connections), and
 # the one thread that cuts a call off at its deadline.
-_idle = _PerProcess(IdleConnections)
+_idle = _PerProcess(lambda: IdleConnections(per_origin=max(8, settings.SCHEDULER_WORKER_CALLS)))
 _deadlines = _PerProcess(Deadlines)
 # The worker process's threads for calls in flight (SCHEDULER_WORKER_CALLS of them):
 # a batch's calls go out side by side, each thread with its own keep-alive connections.
