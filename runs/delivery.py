@@ -280,12 +280,12 @@ def _exchange(request: Request, deadline: Deadline) -> _Answer:
             conn.close()
 
 
-def _read_bounded(response: http.client.HTTPResponse, sock: object, deadline: Deadline) -> bytes:
+def _read_bounded(response: http.client.HTTPResponse, sock: socket.socket, deadline: Deadline) -> bytes:
     """At most READ_CAP bytes of the body, each read limited to the time left."""
     chunks: list[bytes] = []
     got = 0
     while got < READ_CAP:
-        sock.settimeout(deadline.remaining())  # type: ignore[attr-defined]
+        sock.settimeout(deadline.remaining())
         piece = response.read1(READ_CAP - got)
         if not piece:
             break
