@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import certifi
 from urllib3.connection import HTTPConnection, HTTPSConnection
+from urllib3.exceptions import NewConnectionError
 from urllib3.util.wait import wait_for_read
 
 MAX_ORIGINS = 256  # origins with idle connections kept; the least recently used one's are closed
@@ -31,7 +32,7 @@ MAX_ORIGINS = 256  # origins with idle connections kept; the least recently used
 @dataclass(frozen=True)
 class Origin:
     scheme: str  # "http" or "https"
-    address: str  # the checked IP address the socket connects to
+    addresses: tuple[str, ...]  # the checked IP addresses the socket may connect to, in order
     port: int
     hostname: str  # the URL's host: the Host header, SNI and the certificate's name
 
@@ -48,17 +49,43 @@ def _tls_context() -> ssl.SSLContext:
     return context
 
 
+class _Pinned(HTTPConnection):
+    """Connects to the checked addresses only, one after another (as a lookup's
+    answers would be tried), never to a fresh lookup of the name."""
+
+    addresses: tuple[str, ...] = ()
+
+    def _new_conn(self) -> socket.socket:
+        failed: Exception | None = None
+        for address in self.addresses:
+            self._dns_host = address
+            try:
+                return super()._new_conn()
+            except NewConnectionError as exc:  # refused, unreachable: the next address (a timeout is not)
+                failed = exc
+        assert failed is not None
+        raise failed
+
+
+class _PinnedTLS(_Pinned, HTTPSConnection):
+    pass
+
+
 def connect(origin: Origin) -> HTTPConnection:
-    """A new (not yet opened) connection to the origin's checked address."""
+    """A new (not yet opened) connection to the origin's checked addresses."""
+    conn: _Pinned
     if origin.scheme == "https":
-        return HTTPSConnection(
-            origin.address,
+        conn = _PinnedTLS(
+            origin.addresses[0],
             origin.port,
             server_hostname=origin.hostname,
             assert_hostname=origin.hostname,
             ssl_context=_tls_context(),
         )
-    return HTTPConnection(origin.address, origin.port)
+    else:
+        conn = _Pinned(origin.addresses[0], origin.port)
+    conn.addresses = origin.addresses
+    return conn
 
 
 def is_quiet(conn: HTTPConnection) -> bool:

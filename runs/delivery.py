@@ -105,7 +105,7 @@ class Request:
     url: str
     headers: dict[str, str] = field(repr=False)
     body: bytes = field(repr=False)
-    address: str = ""  # the address the call-time check approved; "" resolves (and checks) here
+    addresses: tuple[str, ...] = ()  # what the call-time check approved; none: resolved (and checked) here
     secrets: tuple[str, ...] = field(default=(), repr=False)  # redacted from any text the target sends back
 
 
@@ -145,7 +145,7 @@ def iso_z(value: datetime) -> str:
 
 
 def build_request(
-    *, run: Run, job: Job, claim: Claim, signer: "Signer | None" = None, address: str = ""
+    *, run: Run, job: Job, claim: Claim, signer: "Signer | None" = None, addresses: tuple[str, ...] = ()
 ) -> Request:
     """The call a run makes. A PreparationError when it cannot be made as the job stands."""
     body = b"" if job.payload is None else json.dumps(job.payload, separators=(",", ":")).encode()
@@ -170,7 +170,7 @@ def build_request(
     if signer is not None:
         headers["X-Signature"] = signer(body)
     secrets = (*secret.values(), *(signer.secret_values if signer is not None else ()))
-    return Request(method=job.method, url=job.target, headers=headers, body=body, address=address,
+    return Request(method=job.method, url=job.target, headers=headers, body=body, addresses=addresses,
                    secrets=tuple(value for value in secrets if value))
 
 
@@ -309,15 +309,15 @@ def _origin(request: Request) -> tuple[Origin, str]:
     scheme = (url.scheme or "http").lower()
     hostname = (url.host or "").strip("[]")
     port = url.port or (443 if scheme == "https" else 80)
-    address = request.address or _checked_address(request.url)
-    return Origin(scheme=scheme, address=address, port=port, hostname=hostname), url.request_uri
+    addresses = request.addresses or _checked_addresses(request.url)
+    return Origin(scheme=scheme, addresses=addresses, port=port, hostname=hostname), url.request_uri
 
 
-def _checked_address(url: str) -> str:
-    """For a Request made without one: resolve once and check, as the worker does."""
+def _checked_addresses(url: str) -> tuple[str, ...]:
+    """For a Request made without them: resolve once and check, as the worker does."""
     from jobs.validators import check_resolved_target
 
-    return check_resolved_target(url)[0]
+    return tuple(check_resolved_target(url))
 
 
 def _wire_headers(request: Request, origin: Origin) -> dict[str, str]:

@@ -302,7 +302,7 @@ def _prepare(calls: list[Call]) -> None:
 
 @dataclass(frozen=True)
 class _Resolved:
-    address: str = ""  # the checked address to connect to
+    addresses: tuple[str, ...] = ()  # the checked addresses to connect to
     refusal: str = ""  # the target may not be called: why
     failure: str = ""  # the lookup failed: a failed call
 
@@ -310,7 +310,7 @@ class _Resolved:
 def _resolve(target: str) -> _Resolved:
     """The target's name resolved once and checked: the call connects to that address."""
     try:
-        return _Resolved(address=check_resolved_target(target)[0])
+        return _Resolved(addresses=tuple(check_resolved_target(target)))
     except ValueError as exc:
         return _Resolved(refusal=f"target refused: {exc}")
     except OSError:  # socket.gaierror: no such name, or no answer
@@ -334,7 +334,7 @@ def _prepare_one(call: Call, resolved: dict[str, _Resolved], signers: dict[int, 
     if job.owner_id not in signers:
         signers[job.owner_id] = _signer_for(job)
     call.request = delivery.build_request(
-        run=call.run, job=job, claim=call.claim, signer=signers[job.owner_id], address=where.address
+        run=call.run, job=job, claim=call.claim, signer=signers[job.owner_id], addresses=where.addresses
     )
 
 

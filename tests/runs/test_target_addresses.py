@@ -24,7 +24,7 @@ S = Run.Status
 class Resolver:
     """Answers for one name, in order (the last answer repeats); an answer of None is a failure."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, name: str, answers: list[str | None]) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, name: str, answers: list[Any]) -> None:
         self.name, self.answers, self.asked = name, list(answers), 0
         real = socket.getaddrinfo
 
@@ -32,10 +32,11 @@ class Resolver:
             if host != name:
                 return real(host, port, *args, **kwargs)
             self.asked += 1
-            address = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
-            if address is None:
+            answer = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+            if answer is None:
                 raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
-            return real(address, port, *args, **kwargs)
+            addresses = answer if isinstance(answer, list) else [answer]
+            return [info for address in addresses for info in real(address, port, *args, **kwargs)]
 
         monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
 
@@ -69,6 +70,20 @@ def test_a_second_resolution_cannot_redirect_the_call(
     assert resolver.asked == 1  # resolved once, for the check; the connect used that address
     [request] = checked.requests("/hook")
     assert request.headers["Host"] == f"rebind.test:{checked.port}"  # the name still travels as Host
+
+
+def test_a_name_with_several_addresses_falls_back_to_the_next_checked_one_and_no_other(
+    service: Any, monkeypatch: pytest.MonkeyPatch, two_targets: tuple[RawTarget, RawTarget]
+) -> None:
+    checked, other = two_targets
+    # 127.0.0.3 has nothing listening on the port: refused, so the next checked address is tried.
+    resolver = Resolver(monkeypatch, "two.test", [["127.0.0.3", "127.0.0.1"], "127.0.0.2"])
+    run = queued_run(service.user, f"http://two.test:{checked.port}/hook")
+
+    assert run_execute(run_id=run.pk) == "succeeded"
+
+    assert len(checked.requests("/hook")) == 1 and other.requests() == []
+    assert resolver.asked == 1
 
 
 def test_a_name_that_does_not_resolve_is_a_failed_call_even_if_a_later_lookup_would_succeed(
