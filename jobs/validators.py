@@ -79,7 +79,12 @@ def check_resolved_target(url: str) -> list[str]:
 
     parsed = parse_url(url)
     hostname = (parsed.host or "").strip("[]")
-    if hostname.lower() != (urlsplit(url).hostname or "").lower():
+    written = (urlsplit(url).hostname or "").lower()
+    try:
+        as_ascii = written.encode("idna").decode("ascii")  # urllib3 sends an IDN as its xn-- form
+    except UnicodeError:
+        as_ascii = written
+    if hostname.lower() not in (written, as_ascii):
         raise ValueError("its host reads differently to different URL parsers; write it plainly")
     port = parsed.port or (443 if parsed.scheme == "https" else 80)
     try:

@@ -176,3 +176,18 @@ def test_an_https_call_to_the_pinned_address_still_names_the_host_for_sni_and_th
     assert names == ["pinned.test"]  # SNI names the host, though the socket went to 127.0.0.1
     run.refresh_from_db()
     assert run.last_error == "TLS error"  # and the certificate was checked (no CA vouches for this one)
+
+
+def test_a_host_two_parsers_read_differently_is_refused_at_call_time(
+    service: Any, two_targets: tuple[RawTarget, RawTarget]
+) -> None:
+    checked, _ = two_targets
+    # Written past the API's checks: urlsplit reads the host as "127.0.0.1\.allowed.internal"
+    # (which does not resolve), the connecting library as 127.0.0.1.
+    run = queued_run(service.user, f"http://127.0.0.1\\.allowed.internal:{checked.port}/hook")
+
+    assert run_execute(run_id=run.pk) == "dead"
+
+    assert checked.requests() == []
+    run.refresh_from_db()
+    assert "reads differently" in run.last_error
