@@ -13,7 +13,6 @@ import unicodedata
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone as dt_timezone
 from itertools import islice
-from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.core.exceptions import ValidationError as DjangoValidationError
@@ -244,18 +243,30 @@ def validate_notify(value: str) -> str:
     return value
 
 
-def check_resolved_target(url: str) -> None:
-    """At call time, after DNS: refuse a name that resolves to a refused address."""
-    validate_target(url)
-    parts = urlsplit(url)
-    port = parts.port or (443 if parts.scheme == "https" else 80)
+def check_resolved_target(url: str) -> list[str]:
+    """At call time: resolve the target's name once and check every address it has.
+
+    Returns the addresses, which the call connects to (it never looks the name up
+    again, so a second answer from DNS cannot send it elsewhere). A ValueError when
+    the target is refused; a failed lookup raises socket.gaierror (an OSError): a
+    failed call, tried again, never an allowed one.
+    """
+    # One reading of the URL, urllib3's (the one that connects), which refuses
+    # anything two parsers could read differently (parse_target).
+    target = validate_target(url)
+    hostname = target.hostname
+    port = target.port or (443 if target.scheme == "https" else 80)
     try:
-        infos = socket.getaddrinfo(parts.hostname, port, proto=socket.IPPROTO_TCP)
-    except socket.gaierror:
-        return  # the call itself will fail and be retried as a connection error
-    for info in infos:
-        if is_refused_address(str(info[4][0])):
-            raise ValueError(f"host {parts.hostname} resolves to {info[4][0]}, a link-local or metadata address")
+        infos = socket.getaddrinfo(hostname, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+    except UnicodeError as exc:
+        raise ValueError(f"host {hostname} cannot be looked up") from exc
+    addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
+    for address in addresses:
+        if is_refused_address(address):
+            raise ValueError(f"host {hostname} resolves to {address}, a link-local or metadata address")
+    if not addresses:
+        raise socket.gaierror(socket.EAI_NONAME, "no address")
+    return addresses
 
 
 def validate_method(method: str) -> str:

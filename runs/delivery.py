@@ -2,28 +2,52 @@
 from __future__ import annotations
 
 import email.utils
+import http.client
 import json
+import logging
 import os
+import re
+import socket
+import ssl
 import threading
 import time
+import unicodedata
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone as dt_timezone
 from typing import Callable, Generic, TypeVar
 
-import certifi
-import urllib3
 from django.conf import settings
-from urllib3.exceptions import NewConnectionError
+from urllib3.exceptions import HTTPError as Urllib3Error, NameResolutionError, SSLError as Urllib3SSLError
+from urllib3.exceptions import NewConnectionError, TimeoutError as Urllib3TimeoutError
+from urllib3.util import parse_url
 
 from jobs.models import Job
 from jobs.public_ids import format_id
 from jobs.secrets import decrypt_headers
 from runs.claims import Claim
+from runs.connections import Deadline, Deadlines, IdleConnections, Origin, connect
 from runs.models import Run
 
+logger = logging.getLogger("scheduler.delivery")
 RETRYABLE_STATUSES = frozenset({408, 429})
 USER_AGENT = "django-job-scheduler/1.0"
+READ_CAP = 64 * 1024  # bytes of an answer read at most; a longer answer's connection is closed
+EXCERPT_CHARS = 200  # of a failed answer, kept as the reason
+# What a failed connection is reported as: these words and nothing else (no library
+# text, no address or port a service could map a private network with).
+REFUSED, TIMED_OUT, RESET, DNS_FAILURE, TLS_ERROR, PROTOCOL_ERROR = (
+    "connection refused", "timed out", "connection reset", "DNS failure", "TLS error", "protocol error"
+)
+CONNECTION_FAILED, REQUEST_FAILED = "connection failed", "request failed"
+# Headers that frame the request or belong to one hop: the scheduler sets them (or
+# none), never a job. A job carrying one (a row from before the API refused them)
+# is not sent: it could leave bytes on a connection another service's call reuses.
+FRAMING_HEADERS = frozenset(
+    {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "te", "trailer", "upgrade"}
+)
+_TOKEN_RE = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_VALUE_RE = re.compile(r"[\x20-\x7e\t]*")
 
 T = TypeVar("T")
 
@@ -49,19 +73,13 @@ class _PerProcess(Generic[T]):
         return held[1] if held is not None and held[0] == os.getpid() else None
 
 
-# One keep-alive connection pool per worker process (urllib3 is thread-safe).
-# urllib3, the library under `requests`, without the layer on top: about a third
-# of the CPU per call (docs/performance.md).
-_http = _PerProcess(lambda: urllib3.PoolManager(
-    num_pools=256, maxsize=max(8, settings.SCHEDULER_WORKER_CALLS), retries=False, ca_certs=certifi.where()
-))
+# The worker process's idle keep-alive connections, by origin (runs.connections), and
+# the one thread that cuts a call off at its deadline.
+_idle = _PerProcess(lambda: IdleConnections(per_origin=max(8, settings.SCHEDULER_WORKER_CALLS)))
+_deadlines = _PerProcess(Deadlines)
 # The worker process's threads for calls in flight (SCHEDULER_WORKER_CALLS of them):
 # a batch's calls go out side by side, each thread with its own keep-alive connections.
 _calls = _PerProcess(lambda: ThreadPoolExecutor(max_workers=settings.SCHEDULER_WORKER_CALLS, thread_name_prefix="call"))
-
-
-def http() -> urllib3.PoolManager:
-    return _http.get()
 
 
 def call_pool() -> ThreadPoolExecutor:
@@ -70,23 +88,35 @@ def call_pool() -> ThreadPoolExecutor:
 
 def close_connections() -> None:
     """Drop the process's pooled connections (tests: a live server's threads)."""
-    pool = _http.made()
+    pool = _idle.made()
     if pool is not None:
         pool.clear()
+
+
+def idle_connections() -> int:
+    """How many connections this process keeps open for reuse (tests, metrics)."""
+    pool = _idle.made()
+    return pool.count() if pool is not None else 0
 
 
 @dataclass(frozen=True)
 class Request:
     method: str
     url: str
-    headers: dict[str, str]
-    body: bytes
+    headers: dict[str, str] = field(repr=False)
+    body: bytes = field(repr=False)
+    addresses: tuple[str, ...] = ()  # what the call-time check approved; none: resolved (and checked) here
+    secrets: tuple[str, ...] = field(default=(), repr=False)  # redacted from any text the target sends back
+
+
+class PreparationError(ValueError):
+    """A run's call cannot be made as it stands (its reason is safe to store and show)."""
 
 
 @dataclass(frozen=True)
 class CallResult:
     status: int | None = None  # the HTTP status, or None when no answer came
-    error: str = ""  # "timeout", "connection refused: ..." when no answer came
+    error: str = ""  # when no answer came: one of the fixed words above (e.g. "timed out after 30s")
     duration_ms: int = 0
     retry_after_seconds: float | None = None
     excerpt: str = field(default="", repr=False)
@@ -114,11 +144,17 @@ def iso_z(value: datetime) -> str:
     return value.astimezone(dt_timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def build_request(*, run: Run, job: Job, claim: Claim, signer: "Signer | None" = None) -> Request:
+def build_request(
+    *, run: Run, job: Job, claim: Claim, signer: "Signer | None" = None, addresses: tuple[str, ...] = ()
+) -> Request:
+    """The call a run makes. A PreparationError when it cannot be made as the job stands."""
     body = b"" if job.payload is None else json.dumps(job.payload, separators=(",", ":")).encode()
+    secret = _secret_headers(job)
+    own = {**(job.headers or {}), **secret}
+    for name, value in own.items():
+        _check_header(name, value)
     headers: dict[str, str] = {"User-Agent": USER_AGENT}
-    headers.update(job.headers or {})
-    headers.update(decrypt_headers(job.secret_headers))
+    headers.update(own)
     # Ours last, so a job cannot forge them.
     headers.update(
         {
@@ -133,10 +169,36 @@ def build_request(*, run: Run, job: Job, claim: Claim, signer: "Signer | None" =
         headers.setdefault("Content-Type", "application/json")
     if signer is not None:
         headers["X-Signature"] = signer(body)
-    return Request(method=job.method, url=job.target, headers=headers, body=body)
+    secrets = (*secret.values(), *(signer.secret_values if signer is not None else ()))
+    return Request(method=job.method, url=job.target, headers=headers, body=body, addresses=addresses,
+                   secrets=tuple(value for value in secrets if value))
+
+
+def _secret_headers(job: Job) -> dict[str, str]:
+    try:
+        return decrypt_headers(job.secret_headers)
+    except Exception as exc:  # InvalidToken, bad base64, bad JSON: the key changed or the row did
+        raise PreparationError(
+            "the job's secret headers could not be decrypted (SECRET_KEY or SCHEDULER_ENCRYPTION_KEY "
+            "changed?); set them again"
+        ) from exc
+
+
+def _check_header(name: str, value: object) -> None:
+    """A header that http.client would refuse, or that would frame the request for us."""
+    if not isinstance(name, str) or not _TOKEN_RE.fullmatch(name):
+        raise PreparationError("a header name is not an RFC 9110 token; the job's headers must be set again")
+    if name.lower() in FRAMING_HEADERS or name.lower().startswith("proxy-"):
+        raise PreparationError(f"header {name} is set by the scheduler, never by a job: remove it from the job")
+    if not isinstance(value, str) or not _VALUE_RE.fullmatch(value):
+        raise PreparationError(
+            f"header {name} has a value that cannot be sent (visible ASCII, space and tab only): set it again"
+        )
 
 
 class Signer:  # a callable body -> X-Signature value (runs.signing provides one)
+    secret_values: tuple[str, ...] = ()  # what it signs with: redacted from a target's answer
+
     def __call__(self, body: bytes) -> str:  # pragma: no cover - protocol only
         raise NotImplementedError
 
@@ -157,39 +219,184 @@ def parse_retry_after(value: str | None) -> float | None:
 
 
 def call(request: Request, *, timeout_seconds: float) -> CallResult:
+    """One call, over in `timeout_seconds` whatever the target does; never raises."""
     started = time.monotonic()
+    deadline = _deadlines.get().start(timeout_seconds)
     try:
-        response = http().request(
-            request.method,
-            request.url,
-            headers=request.headers,
-            body=request.body or None,
-            timeout=urllib3.Timeout(total=timeout_seconds),
-            redirect=False,  # a redirect could lead anywhere: it is an answer, not a hop
-            retries=False,
+        answer = _exchange(request, deadline)
+    except Exception as exc:
+        deadline.finish()
+        result = CallResult(error=_failure(exc, deadline, timeout_seconds), duration_ms=_ms(started))
+    else:
+        excerpt = "" if 200 <= answer.status < 300 else _excerpt(answer.body, request.secrets, cut=answer.cut)
+        result = CallResult(
+            status=answer.status,
+            duration_ms=_ms(started),
+            retry_after_seconds=parse_retry_after(answer.retry_after),
+            excerpt=excerpt,
         )
-    except NewConnectionError as exc:  # a subclass of the connect timeout: test it first
-        return CallResult(error=f"connection error: {_short(exc)}", duration_ms=_ms(started))
-    except urllib3.exceptions.TimeoutError:
-        return CallResult(error=f"timeout after {timeout_seconds:g}s", duration_ms=_ms(started))
-    except (urllib3.exceptions.ProtocolError, urllib3.exceptions.SSLError, OSError) as exc:
-        return CallResult(error=f"connection error: {_short(exc)}", duration_ms=_ms(started))
-    except urllib3.exceptions.HTTPError as exc:
-        return CallResult(error=f"request failed: {_short(exc)}", duration_ms=_ms(started))
-    ok = 200 <= response.status < 300
-    excerpt = "" if ok else response.data[:800].decode("utf-8", errors="replace")[:200]
-    return CallResult(
-        status=response.status,
-        duration_ms=_ms(started),
-        retry_after_seconds=parse_retry_after(response.headers.get("Retry-After")),
-        excerpt=excerpt,
+    # No path, header or answer text here: the status or the fixed words only.
+    logger.debug("%s %s: %s in %d ms", request.method, parse_url(request.url).netloc,
+                 result.status or result.error, result.duration_ms)
+    return result
+
+
+@dataclass(frozen=True)
+class _Answer:
+    status: int
+    retry_after: str | None
+    body: bytes  # at most READ_CAP bytes of it
+    cut: bool  # the answer went on past what was read
+
+
+def _exchange(request: Request, deadline: Deadline) -> _Answer:
+    """Send, and read a bounded answer, on a pooled connection to the checked address.
+    The connection goes back to the pool only after a complete, well-framed exchange."""
+    origin, path = _origin(request)
+    pool = _idle.get()
+    conn = pool.take(origin) or connect(origin)
+    reusable = False
+    try:
+        deadline.watch(conn)
+        conn.timeout = deadline.remaining()
+        conn.request(request.method, path, body=request.body or None, headers=_wire_headers(request, origin),
+                     preload_content=False, decode_content=False)
+        deadline.watch(conn)  # now connected: its socket can be cut off
+        sock = conn.sock
+        assert sock is not None
+        sock.settimeout(deadline.remaining())
+        response = http.client.HTTPConnection.getresponse(conn)  # http.client's, for read1()
+        body = _read_bounded(response, sock, deadline)
+        complete = response.isclosed() or (not response.chunked and response.length == 0)
+        response.close()
+        if not deadline.finish():
+            raise TimeoutError("deadline")  # cut off: whatever was read is not the answer
+        reusable = complete and not response.will_close and _well_framed(response)
+        return _Answer(response.status, response.getheader("Retry-After"), body, cut=not complete)
+    finally:
+        if deadline.finish() and reusable:
+            pool.give(origin, conn)
+        else:
+            conn.close()
+
+
+def _read_bounded(response: http.client.HTTPResponse, sock: socket.socket, deadline: Deadline) -> bytes:
+    """At most READ_CAP bytes of the body, each read limited to the time left."""
+    chunks: list[bytes] = []
+    got = 0
+    while got < READ_CAP:
+        sock.settimeout(deadline.remaining())
+        piece = response.read1(READ_CAP - got)
+        if not piece:
+            break
+        chunks.append(piece)
+        got += len(piece)
+    return b"".join(chunks)
+
+
+def _well_framed(response: http.client.HTTPResponse) -> bool:
+    """No doubt where the answer ended: one length, or plain chunked, never both."""
+    lengths = response.msg.get_all("Content-Length") or []
+    coding = response.msg.get_all("Transfer-Encoding") or []
+    if len(lengths) > 1 or len(coding) > 1 or response.status < 200:
+        return False
+    return not coding or (not lengths and coding[0].strip().lower() == "chunked")
+
+
+def _origin(request: Request) -> tuple[Origin, str]:
+    """Where the call connects (the checked address) and the path it asks for."""
+    url = parse_url(request.url)
+    scheme = (url.scheme or "http").lower()
+    hostname = (url.host or "").strip("[]")
+    port = url.port or (443 if scheme == "https" else 80)
+    addresses = request.addresses or _checked_addresses(request.url)
+    return Origin(scheme=scheme, addresses=addresses, port=port, hostname=hostname), url.request_uri
+
+
+def _checked_addresses(url: str) -> tuple[str, ...]:
+    """For a Request made without them: resolve once and check, as the worker does."""
+    from jobs.validators import check_resolved_target
+
+    return tuple(check_resolved_target(url))
+
+
+def _wire_headers(request: Request, origin: Origin) -> dict[str, str]:
+    """The request's headers, with the Host the URL names (the socket goes to its checked address)."""
+    url = parse_url(request.url)
+    host = url.host or origin.hostname
+    if url.port is not None and url.port != (443 if origin.scheme == "https" else 80):
+        host = f"{host}:{url.port}"
+    return {"Host": host, **request.headers}
+
+
+def _failure(exc: Exception, deadline: Deadline, timeout_seconds: float) -> str:
+    """The fixed words for a call that got no answer."""
+    causes = _causes(exc)
+    if deadline.fired or time.monotonic() >= deadline.at or any(_is_timeout(c) for c in causes):
+        return f"{TIMED_OUT} after {timeout_seconds:g}s"
+    if any(isinstance(c, (socket.gaierror, NameResolutionError)) for c in causes):
+        return DNS_FAILURE
+    if any(isinstance(c, (ssl.SSLError, ssl.CertificateError, Urllib3SSLError)) for c in causes):
+        return TLS_ERROR
+    if any(isinstance(c, ConnectionRefusedError) for c in causes):
+        return REFUSED
+    if any(isinstance(c, (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)) for c in causes):
+        return RESET
+    if any(isinstance(c, (http.client.HTTPException, Urllib3Error)) for c in causes):
+        return PROTOCOL_ERROR
+    if any(isinstance(c, OSError) for c in causes):
+        return CONNECTION_FAILED
+    # Not the target's doing: worth a log line (its type only: its text may hold a header).
+    logger.warning("a call failed unexpectedly: %s", type(exc).__name__)
+    return REQUEST_FAILED
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    # urllib3's NewConnectionError is a subclass of its connect timeout: not one.
+    return isinstance(exc, TimeoutError) or (
+        isinstance(exc, Urllib3TimeoutError) and not isinstance(exc, NewConnectionError)
+    )
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    found: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and current not in found and len(found) < 10:
+        found.append(current)
+        current = current.__cause__ or current.__context__
+    return found
+
+
+def _excerpt(body: bytes, secrets: tuple[str, ...], *, cut: bool) -> str:
+    """The start of a failed answer, safe to store and log: every secret of the job
+    redacted, on one line."""
+    text = body.decode("utf-8", errors="replace")
+    if cut and secrets:
+        # The read stopped somewhere: drop what could be the start of a secret cut in two.
+        text = text[: max(0, len(text) - max(len(value) for value in secrets))]
+    return one_line(redact(text, secrets))[:EXCERPT_CHARS]
+
+
+def redact(text: str, secrets: tuple[str, ...]) -> str:
+    """`text` with each secret value (and its words of 8 characters or more, and its
+    JSON-escaped form) replaced by [redacted]."""
+    forms: set[str] = set()
+    for value in secrets:
+        forms.add(value)
+        forms.add(json.dumps(value)[1:-1])
+        forms.update(word for word in value.split() if len(word) >= 8)
+    for form in sorted((f for f in forms if f), key=len, reverse=True):
+        text = text.replace(form, "[redacted]")
+    return text
+
+
+def one_line(text: str) -> str:
+    """Control characters and line breaks escaped: a target cannot start a log line."""
+    return "".join(
+        ch if unicodedata.category(ch) not in ("Cc", "Zl", "Zp") else ch.encode("unicode_escape").decode("ascii")
+        for ch in text
     )
 
 
 def _ms(started: float) -> int:
     return int((time.monotonic() - started) * 1000)
-
-
-def _short(exc: Exception) -> str:
-    text = str(exc)
-    return text if len(text) <= 300 else text[:297] + "..."

@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.core.mail import send_mail
-from django.db import connection, transaction
+from django.db import DatabaseError, connection, transaction
 from django.db.models import Max, Q
 from django.utils import timezone
 
@@ -461,33 +461,71 @@ def _claim_and_call(
     to_call = [c for c in calls if c.request is not None]
     with Heartbeat([c.claim for c in to_call], lease, [gates[c.run.pk].slot for c in to_call]):
         _call_all(to_call, {c.run.pk: gates[c.run.pk].host for c in to_call})
-    for call in to_call:
+    failed_early = [c for c in calls if c.request is None and c.result is not None]  # e.g. a DNS failure
+    for call in to_call + failed_early:
         gates[call.run.pk].called = True
-    _tell_breakers(to_call, gates)
+    _tell_breakers(to_call + failed_early, gates)
     outcomes.update(run_record_outcomes(calls))
 
 
 def _prepare(calls: list[Call]) -> None:
-    """Checks after the claim (tries left, the target's address now), then the request."""
-    checked: dict[str, str] = {}
+    """Checks after the claim (tries left, the target's address now), then the request.
+
+    What goes wrong for one run costs that run only: a request that cannot be made
+    (a header that cannot be sent, a secret that cannot be decrypted, any other
+    exception) is a refusal with its reason; a name that does not resolve is a
+    failed call (retried). A database error is the batch's, and goes up.
+    """
+    resolved: dict[str, _Resolved] = {}
     signers: dict[int, delivery.Signer | None] = {}
     for call in calls:
-        job = call.run.job
-        if call.claim.attempt - call.run.attempt_base > job.retry_max + 1:
-            call.refusal = "out of tries (leases lost)"
-            continue
-        if job.target not in checked:
-            try:
-                check_resolved_target(job.target)
-                checked[job.target] = ""
-            except ValueError as exc:
-                checked[job.target] = f"target refused: {exc}"
-        if checked[job.target]:
-            call.refusal = checked[job.target]
-            continue
-        if job.owner_id not in signers:
-            signers[job.owner_id] = _signer_for(job)
-        call.request = delivery.build_request(run=call.run, job=job, claim=call.claim, signer=signers[job.owner_id])
+        try:
+            _prepare_one(call, resolved, signers)
+        except DatabaseError:
+            raise
+        except delivery.PreparationError as exc:
+            call.refusal = str(exc)
+        except Exception as exc:  # its text may hold a header's value: its type only
+            logger.warning("run %s: could not prepare its call: %s", call.run.public_id, type(exc).__name__)
+            call.refusal = f"could not prepare the call ({type(exc).__name__})"
+
+
+@dataclass(frozen=True)
+class _Resolved:
+    addresses: tuple[str, ...] = ()  # the checked addresses to connect to
+    refusal: str = ""  # the target may not be called: why
+    failure: str = ""  # the lookup failed: a failed call
+
+
+def _resolve(target: str) -> _Resolved:
+    """The target's name resolved once and checked: the call connects to that address."""
+    try:
+        return _Resolved(addresses=tuple(check_resolved_target(target)))
+    except ValueError as exc:
+        return _Resolved(refusal=f"target refused: {exc}")
+    except OSError:  # socket.gaierror: no such name, or no answer
+        return _Resolved(failure=delivery.DNS_FAILURE)
+
+
+def _prepare_one(call: Call, resolved: dict[str, _Resolved], signers: dict[int, delivery.Signer | None]) -> None:
+    job = call.run.job
+    if call.claim.attempt - call.run.attempt_base > job.retry_max + 1:
+        call.refusal = "out of tries (leases lost)"
+        return
+    if job.target not in resolved:
+        resolved[job.target] = _resolve(job.target)
+    where = resolved[job.target]
+    if where.refusal:
+        call.refusal = where.refusal
+        return
+    if where.failure:
+        call.result = CallResult(error=where.failure)
+        return
+    if job.owner_id not in signers:
+        signers[job.owner_id] = _signer_for(job)
+    call.request = delivery.build_request(
+        run=call.run, job=job, claim=call.claim, signer=signers[job.owner_id], addresses=where.addresses
+    )
 
 
 # How long recent calls to each host took (ms, a moving average, this process).
@@ -508,14 +546,23 @@ def _call_all(calls: list[Call], hosts: dict[int, str]) -> None:
         or (_recent_ms.get(hosts[rest[0].run.pk], 1e9) <= QUICK_MS and time.monotonic() - started < IN_TURN_FOR)
     ):
         call = rest.pop(0)
-        call.result = delivery.call(call.request, timeout_seconds=call.run.job.timeout_seconds)  # type: ignore[arg-type]
+        call.result = _call_one(call)
         _note_duration(hosts[call.run.pk], call.result)
-    futures = [
-        delivery.call_pool().submit(delivery.call, c.request, timeout_seconds=c.run.job.timeout_seconds) for c in rest
-    ]
+    futures = [delivery.call_pool().submit(_call_one, c) for c in rest]
     for call, future in zip(rest, futures):
         call.result = future.result()
         _note_duration(hosts[call.run.pk], call.result)
+
+
+def _call_one(call: Call) -> CallResult:
+    """The call, whatever raises inside it: an exception is a failed call (tried
+    again), never one that takes the batch's other outcomes with it."""
+    assert call.request is not None
+    try:
+        return delivery.call(call.request, timeout_seconds=call.run.job.timeout_seconds)
+    except Exception as exc:
+        logger.warning("run %s: its call raised %s", call.run.public_id, type(exc).__name__)
+        return CallResult(error=delivery.REQUEST_FAILED)
 
 
 def _note_duration(host: str, result: CallResult) -> None:
