@@ -35,7 +35,9 @@ from datetime import datetime, timedelta, timezone as dt_timezone
 from typing import Any, Callable
 
 USER_KINDS = ("user_edit", "user_pause", "user_resume", "user_delete", "user_run_now", "user_backfill")
-CRONS = ("* * * * *", "*/2 * * * *", "*/3 * * * *", "1-59/2 * * * *")
+# Schedules an edit picks from: dense and sparse ones (a yearly one has no time in a
+# soak; edited back to every minute, its next run must follow the new schedule).
+CRONS = ("* * * * *", "*/2 * * * *", "*/3 * * * *", "1-59/2 * * * *", "*/5 * * * *", "0 0 1 1 *")
 ZONES = ("UTC", "Asia/Kolkata", "Asia/Kathmandu", "America/St_Johns")
 MISFIRE = ("run_once", "skip", "run_all")
 # The reasons the services write on a run a user action ended.
@@ -103,6 +105,7 @@ class UserActions:
         self.pool: list[int] = []  # the jobs actions pick from (the delay stream's are left alone)
         self.lock = threading.Lock()
         self.replacements = 0
+        self.last_extra: int | None = None  # the job that last got a backfill or a run-now
 
     # ------------------------------------------------------------------ history
 
@@ -112,11 +115,23 @@ class UserActions:
             if in_pool:
                 self.pool.append(job.pk)
 
-    def _pick(self, want: Callable[[Any], bool]) -> Any | None:
+    def _pick(self, want: Callable[[Any], bool], in_flight: float = 0.0) -> Any | None:
+        """A live job of the pool that `want`s; with probability `in_flight`, one whose
+        run is running right now if there is one within 3 s (a user acting while a
+        worker calls the target is the interleaving that matters)."""
         from jobs.models import Job
+        from runs.models import Run
 
         with self.lock:
             pool = list(self.pool)
+        if random.random() < in_flight:
+            deadline = time.monotonic() + 3
+            while time.monotonic() < deadline:
+                busy = set(Run.objects.filter(job_id__in=pool, status=Run.Status.RUNNING).values_list("job_id", flat=True))
+                jobs = [j for j in Job.objects.filter(pk__in=busy) if j.state != Job.State.DELETED and want(j)]
+                if jobs:
+                    return random.choice(jobs)
+                time.sleep(0.05)
         jobs = [j for j in Job.objects.filter(pk__in=pool) if j.state != Job.State.DELETED and want(j)]
         return random.choice(jobs) if jobs else None
 
@@ -125,12 +140,11 @@ class UserActions:
     def user_edit(self) -> dict[str, Any]:
         from jobs.services import job_update
 
-        job = self._pick(lambda j: True)
+        job = self._pick(lambda j: True, in_flight=0.5)
         if job is None:
             return {"error": "no live job"}
         now = utc(time.time())
-        choices = ["schedule", "timezone", "window", "target", "at"]
-        what = random.choice(choices)
+        what = random.choice(["schedule", "schedule", "schedule", "timezone", "window", "target", "at"])
         if what == "schedule":
             fields: dict[str, Any] = {"schedule": random.choice([c for c in CRONS if c != job.schedule])}
         elif what == "timezone":
@@ -160,7 +174,12 @@ class UserActions:
     def user_pause(self) -> dict[str, Any]:
         from jobs.services import job_update
 
-        job = self._pick(lambda j: not j.paused)
+        from jobs.models import Job
+
+        job = None
+        if self.last_extra is not None and random.random() < 0.3:  # backfill (or run now), then pause
+            job = Job.objects.filter(pk=self.last_extra, paused=False).exclude(state=Job.State.DELETED).first()
+        job = job or self._pick(lambda j: not j.paused, in_flight=0.5)
         if job is None:
             return {"error": "no active job"}
         now = utc(time.time())
@@ -175,6 +194,15 @@ class UserActions:
         job = self._pick(lambda j: j.paused)
         if job is None:
             return {"error": "no paused job"}
+        if random.random() < 0.5:  # half the time the longest paused: some pauses outlast window + grace
+            with self.lock:
+                paused = {pk: h.open_pause() for pk, h in self.histories.items() if h.open_pause() is not None}
+            from jobs.models import Job
+
+            oldest = sorted((p.started, pk) for pk, p in paused.items() if p is not None)
+            live = set(Job.objects.filter(pk__in=[pk for _, pk in oldest], paused=True)
+                       .exclude(state=Job.State.DELETED).values_list("pk", flat=True))
+            job = next((Job.objects.get(pk=pk) for _, pk in oldest if pk in live), job)
         now = utc(time.time())
         job_update(job=job, fields={"paused": False}, now=now)
         with self.lock:
@@ -186,7 +214,7 @@ class UserActions:
     def user_delete(self) -> dict[str, Any]:
         from jobs.services import job_create, job_delete
 
-        job = self._pick(lambda j: True)
+        job = self._pick(lambda j: True, in_flight=0.5)
         if job is None:
             return {"error": "no live job"}
         now = utc(time.time())
@@ -207,19 +235,26 @@ class UserActions:
     def user_run_now(self) -> dict[str, Any]:
         from jobs.ops import TriggerRefused, job_trigger
 
-        job = self._pick(lambda j: not j.paused)
+        job = self._pick(lambda j: not j.paused, in_flight=0.3)
         if job is None:
             return {"error": "no active job"}
+        if random.random() < 0.5:
+            # In the last second before a minute: "now" rounds up onto the next cron time.
+            wait = (60 - time.time() % 60) - 0.6
+            time.sleep(wait if 0 < wait < 8 else 0)
         try:
             run = job_trigger(job=job, now=utc(time.time()), via="command")
         except TriggerRefused as exc:
             return {"job": job.public_id, "error": str(exc)}
-        return {"job": job.public_id, "run": run.public_id}
+        self.last_extra = job.pk
+        return {"job": job.public_id, "run": run.public_id, "for": run.scheduled_for.isoformat()}
 
     def user_backfill(self) -> dict[str, Any]:
         from jobs.services import BackfillError, backfill_plan, job_backfill
 
-        job = self._pick(lambda j: bool(j.schedule))
+        # Now and then a paused job's: a backfill made while paused runs once resumed.
+        job = self._pick(lambda j: bool(j.schedule) and j.paused) if random.random() < 0.3 else None
+        job = job or self._pick(lambda j: bool(j.schedule))
         if job is None:
             return {"error": "no live cron job"}
         now = utc(time.time())
@@ -231,7 +266,9 @@ class UserActions:
             return {"job": job.public_id, "error": str(exc)}
         except Exception as exc:  # noqa: BLE001 - a clash the store refused is a finding, reported as such
             return {"job": job.public_id, "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
-        return {"job": job.public_id, "since": since.isoformat(), "runs": len(made), "existing": plan.existing}
+        self.last_extra = job.pk
+        return {"job": job.public_id, "paused": job.paused, "since": since.isoformat(), "runs": len(made),
+                "existing": plan.existing}
 
 
 # ---------------------------------------------------------------------- judging
@@ -355,12 +392,15 @@ def judge(histories: dict[int, History], runs: list[RunFacts], cutoff: datetime,
                                + (f"{run.public_id} {run.status}" if run else "no run") + _ended(h, run))
                 continue
             why = "no run" if run is None else (
+                f"skipped (misfire) at {run.skipped_at:%H:%M:%S}, inside its window plus the grace"
+                if run.skipped_by_misfire and after_pause and run.skipped_at is not None else
                 "skipped (misfire)" if run.skipped_by_misfire else
                 f"cancelled at {run.cancelled[0]:%H:%M:%S} ({run.cancelled[1]})" if run.cancelled else
                 f"never started ({run.status}{', held' if run.held else ''})")
             where = f" ({run.public_id}{', backfill' if run.is_backfill else ''})" if run is not None else ""
             paused = f", paused {pause.started:%H:%M:%S}-{pause.resumed:%H:%M:%S}" if pause and pause.resumed else ""
-            missed.append(f"job_{h.job_id} {h.name} {_timing_text(timing)} at {t:%H:%M:%S}{where}: {why}{paused}")
+            missed.append(f"job_{h.job_id} {h.name} {_timing_text(timing)} (since {timing.since:%H:%M:%S}) at "
+                          f"{t:%H:%M:%S}{where}: {why}{paused}")
 
     # Extra runs (backfills and run-now) owe a start too.
     for run in runs:
@@ -393,9 +433,11 @@ def judge(histories: dict[int, History], runs: list[RunFacts], cutoff: datetime,
         for at, fence in run.claims:
             why = _not_startable(h, run, at)
             if why:
-                started_while_paused.append(f"run_{run.pk} of job_{h.job_id} {h.name} claimed (fence {fence}) at "
-                                            f"{at:%H:%M:%S.%f} {why}" + (" (backfill or run-now)" if run.is_backfill
-                                                                          else ""))
+                made = f", made at {run.created:%H:%M:%S.%f}" if run.created else ""
+                started_while_paused.append(
+                    f"run_{run.pk} of job_{h.job_id} {h.name} (for {run.scheduled_for:%H:%M:%S}{made}"
+                    f"{', a backfill or run-now' if run.is_backfill else ''}) claimed (fence {fence}) at "
+                    f"{at:%H:%M:%S.%f} {why}")
                 break
     return {**tally, "excused": excuses[:50], "missed": missed,
             "started_while_paused_or_deleted": started_while_paused}
