@@ -1,6 +1,7 @@
 """Break it: a fault-injection soak on the production layout.
 
     .venv/bin/python bench/soak.py --duration 120 [--settle 45] [--db sched_soak] [--json PATH]
+        [--actions all [--actions-per-kind N]]
 
 Its own PostgreSQL databases (the scheduler's and the target's), a private Redis,
 a private ZooKeeper, an idempotent target on two loopback ports (bench/soak_target.py),
@@ -18,15 +19,20 @@ while faults are injected at random, each kind about as often as the others:
   target_errors  one target host answers 503 for a while
   duplicate_delivery  every running run's message delivered again (brokers deliver at least once)
 
+With --actions (bench/soak_actions.py), user actions are injected too, each a fault
+kind: edits, pauses, resumes, deletes, run now and backfills of the soak's own jobs.
+
 Then every process is healed, the soak waits --settle seconds, and measures: runs due
-(by the measurement minus --margin), started, succeeded, dead (why), missed (due
-but never started), effects the target applied twice, stale writes rejected, the
+(by the measurement minus --margin), started, succeeded, dead (why), missed (a time
+of the reference schedule, which follows every user action, that no run started
+for), runs started while their job was paused or deleted, effects the target applied
+twice, stale writes rejected, the
 invariants of runs/invariants.py, lateness past the window, each fault's count,
 and the handover times. Duplicate effects are counted from both sides: effects
 the target applied twice (its own records), and runs the store records as
 applied under two fences (recorded_applied_twice). It prints one table, writes a
-JSON summary, and exits 1 if a run was missed, an effect was applied twice (by
-either count), or an invariant broken.
+JSON summary, and exits 1 if a run was missed, a run of a paused or deleted job
+started, an effect was applied twice (by either count), or an invariant broken.
 
 Bounded: it stops by itself (an alarm ends it after duration + settle + 10 minutes
 whatever happens), and everything it starts it stops, by process id.
@@ -535,7 +541,8 @@ class Soak:
             due.append(run)
             deferred = any(t in DEFERRALS for _, t, _ in events)
             claimed = [at for at, t, _ in events if t == "claimed"]
-            if claimed and not run.is_backfill:  # backfills are late on purpose; a run-now is due at once
+            # Backfills are late on purpose, and a run a pause held waited on purpose.
+            if claimed and not run.is_backfill and not any(t == "held" for _, t, _ in events):
                 late = (claimed[0] - (run.scheduled_for + timedelta(seconds=run.job.window_seconds))).total_seconds()
                 lateness.append((late, run.public_id))
                 if not deferred:
