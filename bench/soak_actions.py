@@ -460,11 +460,14 @@ def _not_startable(h: History, run: RunFacts, at: datetime) -> str:
         retried_after = any(since <= r < at for r in run.retries)
         return started_before and not retried_after
 
+    def attempt(since: datetime) -> str:
+        return ", a new attempt after a retry written then" if any(c < since for c, _ in run.claims) else ""
+
     if h.deleted_took_effect is not None and at > h.deleted_took_effect and not continues(h.deleted_at or at):
-        return f"after the job was deleted at {h.deleted_took_effect:%H:%M:%S.%f}"
+        return f"after the job was deleted at {h.deleted_took_effect:%H:%M:%S.%f}{attempt(h.deleted_at or at)}"
     for p in h.pauses:
         if p.took_effect < at and (p.resumed is None or at < p.resumed) and not continues(p.started):
-            return f"while the job was paused (from {p.took_effect:%H:%M:%S.%f})"
+            return f"while the job was paused (from {p.took_effect:%H:%M:%S.%f}{attempt(p.started)})"
     return ""
 
 
