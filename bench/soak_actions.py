@@ -294,6 +294,7 @@ class RunFacts:
     deferred_past_cutoff: bool  # waiting for its target's breaker or bulkhead past the cutoff
     claims: list[tuple[datetime, int]]  # (at, fence)
     retries: list[datetime]  # `retry_scheduled` times
+    ended: datetime | None = None  # its first terminal event
 
 
 def run_facts(run: Any, events: list[tuple[datetime, str, dict[str, Any]]], cutoff: datetime,
@@ -314,6 +315,7 @@ def run_facts(run: Any, events: list[tuple[datetime, str, dict[str, Any]]], cuto
         deferred_past_cutoff=run.status == "scheduled" and run.due_at > cutoff and deferred,
         claims=[(at, d.get("fence", 0)) for at, t, d in events if t == "claimed"],
         retries=[at for at, t, _ in events if t == "retry_scheduled"],
+        ended=next((at for at, t, _ in events if t in ("succeeded", "dead", "skipped", "cancelled")), None),
     )
 
 
@@ -354,8 +356,21 @@ def judge(histories: dict[int, History], runs: list[RunFacts], cutoff: datetime,
     tally = {"due_times": 0, "due_times_started": 0, "skipped_after_pause": 0, "excused_by_user_action": 0,
              "paused_at_end": 0, "extra_runs_due": 0, "extra_runs_started": 0}
 
-    def excused(h: History, run: RunFacts | None, due_by: datetime) -> bool:
-        """A user action ended or held this run before it was owed a start."""
+    normal: dict[int, list[RunFacts]] = {}
+    for run in runs:
+        if not run.is_backfill:
+            normal.setdefault(run.job_id, []).append(run)
+
+    def not_made_yet(job_id: int, t: datetime) -> bool:
+        """The job's run before t was still open at t: its next run (t's) comes when it
+        ends, so no row for t is no fault yet."""
+        return any(r.scheduled_for < t and (r.ended is None or r.ended > t) for r in normal.get(job_id, []))
+
+    def excused(h: History, run: RunFacts | None, due_by: datetime, t: datetime | None = None) -> bool:
+        """A user action ended or held this run before it was owed a start. A time with no
+        row at all is excused only if its row could not have been made yet."""
+        if run is None and (t is None or not not_made_yet(h.job_id, t)):
+            return False
         if run is not None and run.cancelled is not None and run.cancelled[1] in USER_CANCEL_REASONS:
             return run.cancelled[0] <= due_by + grace
         pause = h.open_pause()
@@ -386,7 +401,7 @@ def judge(histories: dict[int, History], runs: list[RunFacts], cutoff: datetime,
                     and run.skipped_at is not None and run.skipped_at > due_by + grace:
                 tally["skipped_after_pause"] += 1
                 continue
-            if excused(h, run, due_by):
+            if excused(h, run, due_by, t):
                 tally["excused_by_user_action"] += 1
                 excuses.append(f"job_{h.job_id} {_timing_text(timing)} at {t:%H:%M:%S}: "
                                + (f"{run.public_id} {run.status}" if run else "no run") + _ended(h, run))

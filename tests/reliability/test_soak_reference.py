@@ -34,6 +34,7 @@ def row(t: datetime, *, pk: int | None = None, status: str = "succeeded", claims
         skipped_by_misfire=False, skipped_at=None, was_held=False, deferred_past_cutoff=False,
         claims=[(c, i + 1) for i, c in enumerate(claims)], retries=[],
     )
+    facts["ended"] = claims[-1] + timedelta(seconds=1) if status == "succeeded" else None
     facts.update(more)
     return RunFacts(**facts)
 
@@ -118,3 +119,12 @@ def test_a_backfill_held_by_a_pause_must_run_once_the_job_is_resumed() -> None:
     backfill = row(at(0), pk=50, status="scheduled", claims=[], held=True, is_backfill=True, created=at(3, 0))
     found = judge({1: h}, [row(at(m)) for m in range(1, 7)] + [backfill], cutoff=at(7), grace_s=GRACE)
     assert found["extra_runs_due"] == 1 and len(found["missed"]) == 1 and "extra run run_50" in found["missed"][0]
+
+
+def test_a_time_with_no_row_is_missed_even_if_the_job_is_deleted_just_after_unless_its_run_was_in_flight() -> None:
+    h = history(cron(T0), deleted_at=at(3, 20), deleted_took_effect=at(3, 20))
+    done = [row(at(1)), row(at(2))]  # 10:02 ended at 10:02:02: 10:03's row was owed by 10:03
+    assert len(judge({1: h}, done, cutoff=at(9), grace_s=GRACE)["missed"]) == 1
+    in_flight = [row(at(1)), row(at(2), status="running", claims=[at(2, 1)])]  # still running at 10:03
+    found = judge({1: h}, in_flight, cutoff=at(9), grace_s=GRACE)
+    assert found["missed"] == [] and found["excused_by_user_action"] == 1
