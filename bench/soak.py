@@ -1,6 +1,7 @@
 """Break it: a fault-injection soak on the production layout.
 
     .venv/bin/python bench/soak.py --duration 120 [--settle 45] [--db sched_soak] [--json PATH]
+        [--actions all [--actions-per-kind N]]
 
 Its own PostgreSQL databases (the scheduler's and the target's), a private Redis,
 a private ZooKeeper, an idempotent target on two loopback ports (bench/soak_target.py),
@@ -18,15 +19,20 @@ while faults are injected at random, each kind about as often as the others:
   target_errors  one target host answers 503 for a while
   duplicate_delivery  every running run's message delivered again (brokers deliver at least once)
 
+With --actions (bench/soak_actions.py), user actions are injected too, each a fault
+kind: edits, pauses, resumes, deletes, run now and backfills of the soak's own jobs.
+
 Then every process is healed, the soak waits --settle seconds, and measures: runs due
-(by the measurement minus --margin), started, succeeded, dead (why), missed (due
-but never started), effects the target applied twice, stale writes rejected, the
+(by the measurement minus --margin), started, succeeded, dead (why), missed (a time
+of the reference schedule, which follows every user action, that no run started
+for), runs started while their job was paused or deleted, effects the target applied
+twice, stale writes rejected, the
 invariants of runs/invariants.py, lateness past the window, each fault's count,
 and the handover times. Duplicate effects are counted from both sides: effects
 the target applied twice (its own records), and runs the store records as
 applied under two fences (recorded_applied_twice). It prints one table, writes a
-JSON summary, and exits 1 if a run was missed, an effect was applied twice (by
-either count), or an invariant broken.
+JSON summary, and exits 1 if a run was missed, a run of a paused or deleted job
+started, an effect was applied twice (by either count), or an invariant broken.
 
 Bounded: it stops by itself (an alarm ends it after duration + settle + 10 minutes
 whatever happens), and everything it starts it stops, by process id.
@@ -52,6 +58,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.soak_actions import USER_KINDS, UserActions, judge, run_facts  # noqa: E402
 from bench.soak_stack import ROOT, ZK_TICK_S, Databases, Fleet, PrivateRedis, Target, ZooKeeper  # noqa: E402
 
 KINDS = ("worker_kill", "worker_stop", "scanner_kill", "redis_flush", "zk_restart", "pg_terminate",
@@ -71,6 +78,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--delay-every", type=float, default=2.0, help="a new `delay` job every this many seconds")
     p.add_argument("--faults-per-kind", type=int, default=0, help="default: as many as fit, about one every 20 s")
     p.add_argument("--kinds", default=",".join(KINDS), help="comma-separated fault kinds to inject")
+    p.add_argument("--actions", default="",
+                   help=f"comma-separated user actions to inject alongside the faults, or `all` ({', '.join(USER_KINDS)});"
+                        " default none")
+    p.add_argument("--actions-per-kind", type=int, default=0,
+                   help="how many of each user action (default: as many as fit, about one action every 6 s)")
     p.add_argument("--scanners", type=int, default=2)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--concurrency", type=int, default=4, help="each worker's prefork pool")
@@ -113,6 +125,11 @@ class Soak:
         unknown = set(self.kinds) - set(KINDS)
         if unknown:
             raise SystemExit(f"unknown fault kinds: {', '.join(sorted(unknown))}")
+        self.action_kinds = list(USER_KINDS) if args.actions == "all" else [k for k in args.actions.split(",") if k]
+        unknown = set(self.action_kinds) - set(USER_KINDS)
+        if unknown:
+            raise SystemExit(f"unknown user actions: {', '.join(sorted(unknown))}")
+        self.actions: UserActions | None = None
         self.workdir = Path(args.workdir) if args.workdir else Path(f"/tmp/sched-soak-{int(time.time())}")
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.dbs = Databases(args.pg, args.db)
@@ -219,16 +236,21 @@ class Soak:
 
         self.owner, _ = service_account_ensure(name="soak")
         assert self.target is not None
+        # Every job's history (timings, pauses, deletion) is kept for the reference schedule.
+        self.actions = UserActions(self.owner, self._job_fields, self.target.ports, self.target.url)
         now = time.time()
         crons = self.args.jobs * 2 // 3
         for i in range(self.args.jobs):
             fields = self._job_fields(f"j{i}")
             if i < crons:
                 fields.update(schedule="* * * * *", window_seconds=random.choice([0, 0, 5, 20]))
+                if self.action_kinds:  # resuming applies the misfire policy: try each
+                    fields["misfire"] = ("run_once", "skip", "run_all")[i % 3]
             else:
                 fields.update(run_at=utc(int(now + random.uniform(10, self.args.duration))),
                               window_seconds=random.choice([0, 5]))
-            job_create(owner=self.owner, fields=fields)
+            created_at = utc(time.time())
+            self.actions.created(job_create(owner=self.owner, fields=fields, now=created_at), created_at, in_pool=True)
         self.stream = threading.Thread(target=self._delay_stream, name="delay-jobs", daemon=True)
         self.stream.start()
 
@@ -254,7 +276,10 @@ class Soak:
                 fields.update(run_at=utc(int(time.time() + random.uniform(1, 8)) + 1),
                               window_seconds=random.choice([0, 0, 3]))
                 try:
-                    job_create(owner=self.owner, fields=fields)
+                    created_at = utc(time.time())
+                    assert self.actions is not None
+                    self.actions.created(job_create(owner=self.owner, fields=fields, now=created_at), created_at,
+                                         in_pool=False)
                 except Exception:
                     traceback.print_exc()
                     connection.close()
@@ -263,13 +288,18 @@ class Soak:
 
     # ----------------------------------------------------------------- the faults
 
-    def plan(self) -> list[tuple[float, str]]:
-        """Fault times from a short warm-up to the end, each kind about as often."""
+    def plan(self, kinds_: list[str] | None = None, per_kind: int = 0, every: float = 20) -> list[tuple[float, str]]:
+        """Fault times from a short warm-up to the end, each kind about as often (by
+        default the machine faults, about one every `every` seconds)."""
+        kinds_ = self.kinds if kinds_ is None else kinds_
+        if not kinds_:
+            return []
         warmup = min(10.0, self.args.duration / 5)
-        per_kind = self.args.faults_per_kind or max(1, int((self.args.duration - warmup) / 20 / len(self.kinds)))
+        per_kind = per_kind or (self.args.faults_per_kind if kinds_ is self.kinds else 0) \
+            or max(1, int((self.args.duration - warmup) / every / len(kinds_)))
         kinds: list[str] = []
         for _ in range(per_kind):
-            cycle = list(self.kinds)
+            cycle = list(kinds_)
             random.shuffle(cycle)
             kinds += cycle
         step = (self.args.duration - warmup) / len(kinds)
@@ -277,28 +307,55 @@ class Soak:
 
     def inject(self) -> None:
         plan = self.plan()  # before the job stream's thread also draws from `random`
+        action_plan = self.plan(self.action_kinds, self.args.actions_per_kind, every=6)
         self.started = time.time()
         self.make_jobs()
+        # User actions on a thread of their own, on their own plan: a fault that takes
+        # seconds (a frozen worker) does not hold them back, nor they it.
+        self.stop_actions = threading.Event()
+        actor = threading.Thread(target=self._act, args=(action_plan,), name="user-actions", daemon=True)
+        actor.start()
+        try:
+            self._follow(plan, lambda kind: getattr(self, f"fault_{kind}")(), checks=True)
+            while time.time() < self.started + self.args.duration:
+                time.sleep(0.2)
+        finally:
+            self.stop_actions.set()
+            actor.join(timeout=60)
+
+    def _act(self, plan: list[tuple[float, str]]) -> None:
+        from django.db import connection
+
+        assert self.actions is not None
+        try:
+            self._follow(plan, lambda kind: getattr(self.actions, kind)(), stop=self.stop_actions)
+        finally:
+            connection.close()
+
+    def _follow(self, plan: list[tuple[float, str]], do: Any, checks: bool = False,
+                stop: threading.Event | None = None) -> None:
+        """Inject each planned fault (or user action) at its time; record and print it."""
         last_check = time.time()
         for offset, kind in plan:
             while time.time() < self.started + offset:
                 time.sleep(0.2)
-                if (self.args.stop_on_violation or self.args.stop_on_duplicate) and time.time() - last_check > 2:
+                if stop is not None and stop.is_set():
+                    return
+                if checks and (self.args.stop_on_violation or self.args.stop_on_duplicate) \
+                        and time.time() - last_check > 2:
                     last_check = time.time()
                     if (self.args.stop_on_violation and self._violations_now()) or \
                             (self.args.stop_on_duplicate and self._duplicates_now()):
                         return
             at = time.time()
             try:
-                detail = getattr(self, f"fault_{kind}")()
+                detail = do(kind)
             except Exception as exc:  # a fault that could not be injected is reported, the soak goes on
                 detail = {"error": repr(exc)}
                 traceback.print_exc()
             detail.setdefault("hit", _hit(kind, detail))
             self.faults.append({"kind": kind, "at": at, "t": round(at - self.started, 1), **detail})
-            print(f"[{at - self.started:7.1f}s] {kind} {json.dumps(detail)}", flush=True)
-        while time.time() < self.started + self.args.duration:
-            time.sleep(0.2)
+            print(f"[{at - self.started:7.1f}s] {kind} {json.dumps(detail, default=str)}", flush=True)
 
     def _violations_now(self) -> bool:
         from runs.invariants import timelines
@@ -461,6 +518,7 @@ class Soak:
         time.sleep(settle)
 
     def measure(self) -> dict[str, Any]:
+        from django.conf import settings
         from django.db import close_old_connections
 
         from runs import invariants
@@ -474,7 +532,7 @@ class Soak:
         for run_id, at, type_, detail in RunEvent.objects.order_by("id").values_list("run_id", "at", "type", "detail"):
             timeline[run_id].append((at, type_, detail or {}))
 
-        due, missed, lateness, lateness_plain = [], [], [], []
+        due, lateness, lateness_plain = [], [], []
         for run in runs.values():
             events = timeline[run.pk]
             first_due = next((_parse(d.get("due_at")) for _, t, d in events if t == "scheduled"), None) or run.scheduled_for
@@ -483,14 +541,18 @@ class Soak:
             due.append(run)
             deferred = any(t in DEFERRALS for _, t, _ in events)
             claimed = [at for at, t, _ in events if t == "claimed"]
-            if claimed:
+            # Backfills are late on purpose, and a run a pause held waited on purpose.
+            if claimed and not run.is_backfill and not any(t == "held" for _, t, _ in events):
                 late = (claimed[0] - (run.scheduled_for + timedelta(seconds=run.job.window_seconds))).total_seconds()
                 lateness.append((late, run.public_id))
                 if not deferred:
                     lateness_plain.append((late, run.public_id))
-            elif not (run.status == Run.Status.SCHEDULED and run.due_at > cutoff and deferred):
-                why = "skipped (misfire)" if run.status == Run.Status.SKIPPED else f"never claimed ({run.status})"
-                missed.append(f"{run.public_id} due {first_due:%H:%M:%S}: {why}")
+        # Missed: against the reference schedule, which follows each user action (bench/soak_actions.py).
+        assert self.actions is not None
+        facts = [run_facts(run, timeline[run.pk], cutoff, DEFERRALS) for run in runs.values()]
+        reference = judge(self.actions.histories, facts, cutoff, settings.SCHEDULER_MISFIRE_GRACE)
+        missed = reference.pop("missed")
+        started_paused = reference.pop("started_while_paused_or_deleted")
 
         applied = [invariants.Applied(key, fence) for key, fence in self.dbs.target_rows("SELECT key, fence FROM soak_effects")]
         calls = dict(self.dbs.target_rows("SELECT outcome, count(*) FROM soak_calls GROUP BY outcome"))
@@ -516,7 +578,9 @@ class Soak:
             "succeeded": status[Run.Status.SUCCEEDED],
             "dead": status[Run.Status.DEAD], "dead_reasons": dict(dead_why),
             "open_at_end": sum(status[s] for s in Run.OPEN),
-            "missed": len(missed), "missed_runs": missed[:50],
+            "missed": len(missed), "missed_runs": missed[:50], "reference": reference,
+            "started_while_paused_or_deleted": len(started_paused),
+            "started_while_paused_or_deleted_runs": started_paused[:50],
             "effects_applied": len(applied), "effects_applied_twice": len(twice), "applied_twice": twice[:50],
             "recorded_applied_twice": len(recorded_twice), "recorded_twice": recorded_twice[:50],
             "calls": calls,
@@ -530,11 +594,14 @@ class Soak:
             "lateness_past_window_s": _lateness(lateness), "lateness_without_holds_s": _lateness(lateness_plain),
             "faults": dict(Counter(f["kind"] for f in self.faults)),
             "faults_that_hit": dict(Counter(f["kind"] for f in self.faults if f["hit"])), "fault_log": self.faults,
+            "user_actions": {k: sum(1 for f in self.faults if f["kind"] == k) for k in USER_KINDS},
+            "user_actions_that_hit": {k: sum(1 for f in self.faults if f["kind"] == k and f["hit"]) for k in USER_KINDS},
             "handover": self.handovers(timeline),
         }
         report["unexpected_exits"] = self.unexpected_exits
         report["ok"] = not (report["missed"] or report["effects_applied_twice"] or report["recorded_applied_twice"]
-                            or report["invariant_violations"] or self.unexpected_exits)
+                            or report["invariant_violations"] or report["started_while_paused_or_deleted"]
+                            or self.unexpected_exits)
         return report
 
     # ----------------------------------------------------------------- handovers
@@ -700,7 +767,15 @@ def table(report: dict[str, Any], args: argparse.Namespace) -> str:
         ("dead", report["dead"]),
         *[(f"  dead: {why}", n) for why, n in sorted(report["dead_reasons"].items())],
         ("still open (retrying or running)", report["open_at_end"]),
+        ("times due (reference schedule, after each edit)", report["reference"]["due_times"]),
+        ("  started", report["reference"]["due_times_started"]),
+        ("  skipped on resume (misfire policy)", report["reference"]["skipped_after_pause"]),
+        ("  ended or held by a user action in time", report["reference"]["excused_by_user_action"]),
+        ("  fell while paused, never resumed (not due)", report["reference"]["paused_at_end"]),
+        ("extra runs due (backfill, run now) / started",
+         f"{report['reference']['extra_runs_due']} / {report['reference']['extra_runs_started']}"),
         ("missed (due, never started)", report["missed"]),
+        ("runs started while paused or deleted", report["started_while_paused_or_deleted"]),
         ("effects applied twice at the target", report["effects_applied_twice"]),
         ("runs recorded as applied under two fences", report["recorded_applied_twice"]),
         ("effects applied", report["effects_applied"]),
@@ -714,6 +789,7 @@ def table(report: dict[str, Any], args: argparse.Namespace) -> str:
         ("bulkhead waits / breaker holds", f"{report['bulkhead_waits']} / {report['breaker_holds']}"),
         ("breaker transitions", ", ".join(f"{k} {v}" for k, v in sorted(report["breaker_transitions"].items())) or "none"),
         *[(f"fault: {kind}", _fault_count(report, kind)) for kind in KINDS],
+        *[(f"user action: {kind[5:]}", _fault_count(report, kind)) for kind in USER_KINDS if report["faults"].get(kind)],
         ("processes that died by themselves", ", ".join(report["unexpected_exits"]) or "none"),
     ]
     h = report["handover"]
@@ -763,6 +839,8 @@ def main(argv: list[str]) -> int:
         print(f"\n{name}:\n  " + "\n  ".join(found[:10]))
     if report["missed_runs"]:
         print("\nmissed:\n  " + "\n  ".join(report["missed_runs"][:10]))
+    if report["started_while_paused_or_deleted_runs"]:
+        print("\nstarted while paused or deleted:\n  " + "\n  ".join(report["started_while_paused_or_deleted_runs"][:10]))
     if report["applied_twice"]:
         print("\napplied twice at the target:\n  " + "\n  ".join(report["applied_twice"][:10]))
     if report["recorded_twice"]:
