@@ -190,4 +190,4 @@ def test_a_host_two_parsers_read_differently_is_refused_at_call_time(
 
     assert checked.requests() == []
     run.refresh_from_db()
-    assert "reads differently" in run.last_error
+    assert "parsers disagree" in run.last_error  # the one parse (jobs.validators.parse_target) refuses it
