@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.core.mail import send_mail
-from django.db import DatabaseError, connection, transaction
+from django.db import DatabaseError, InterfaceError, OperationalError, connection, transaction
 from django.db.models import Max, Q
 from django.utils import timezone
 
@@ -630,7 +630,41 @@ def _decide(call: Call, now: datetime) -> tuple[claims.Outcome, str]:
     return claims.Outcome(run.pk, claim.fence, S.DEAD, now, error=reason), reason
 
 
+# The store's own trouble (the connection went, a deadlock, a timeout) is not one
+# row's: nothing of the batch can be written, and the leases bring its runs back.
+_STORE_TROUBLE = (OperationalError, InterfaceError)
+
+
 def run_record_outcomes(calls: list[Call]) -> dict[int, str]:
+    """The batch's outcomes, together (_record_outcomes); if that write fails on
+    something other than the store's own trouble, each run's alone, so one row the
+    store refuses costs that run only. A run whose outcome cannot be written at all
+    stays `running` (`outcome_not_recorded`): its lease runs out and it is claimed
+    again, as after a worker's death."""
+    if not calls:
+        return {}
+    try:
+        return _record_outcomes(calls)
+    except _STORE_TROUBLE:
+        raise
+    except Exception:  # noqa: BLE001 - a batch statement is a speed-up, not a unit of failure
+        if len(calls) == 1:
+            raise
+        logger.warning("recording %d outcomes together failed; recording them one by one", len(calls), exc_info=True)
+    outcomes: dict[int, str] = {}
+    for call in calls:
+        try:
+            outcomes.update(_record_outcomes([call]))
+        except _STORE_TROUBLE:
+            raise
+        except Exception:  # noqa: BLE001 - this run's write only
+            logger.error("run %s: its outcome could not be written; its lease will run out", call.run.public_id,
+                         exc_info=True)
+            outcomes[call.run.pk] = "outcome_not_recorded"
+    return outcomes
+
+
+def _record_outcomes(calls: list[Call]) -> dict[int, str]:
     """One transaction for a batch: each outcome under its fence, the events, and
     the next run of every run that ended (or the retry, as a row). An ended run's
     `succeeded` or `dead` event names its job's next run (`next_run`).
@@ -639,8 +673,6 @@ def run_record_outcomes(calls: list[Call]) -> dict[int, str]:
     edit, a pause or a delete takes them in) and read again: what the outcome leads
     to follows the job as it is now, whatever happened to it during the call.
     """
-    if not calls:
-        return {}
     with transaction.atomic():
         jobs = jobs_lock(call.run.job_id for call in calls)
         for call in calls:

@@ -5,6 +5,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from django.db import connection
 
 from jobs.models import Job
 from runs import delivery
@@ -74,3 +75,39 @@ def test_an_exception_inside_the_call_is_a_failed_call_not_an_escape(target: Loo
     assert result.status is None and result.retryable
     assert result.error == "request failed"
     assert target.calls("/raw") == []
+
+
+def test_a_run_whose_outcome_the_store_refuses_costs_that_run_only(
+    service: Any, other_service: Any, target: LoopbackTarget
+) -> None:
+    refused = queued_run(service.user, target.url("/refused"))
+    fine_a = queued_run(service.user, target.url("/fine-a"))
+    fine_b = queued_run(other_service.user, target.url("/fine-b"))
+    with connection.cursor() as cursor:  # a row the store refuses to finish (dropped with the test's tables)
+        cursor.execute(
+            """
+            CREATE OR REPLACE FUNCTION refuse_one_outcome() RETURNS trigger AS $$
+            BEGIN
+              IF NEW.id = %s AND NEW.status = 'succeeded' THEN RAISE EXCEPTION 'this outcome cannot be written'; END IF;
+              RETURN NEW;
+            END $$ LANGUAGE plpgsql;
+            CREATE TRIGGER refuse_one_outcome BEFORE UPDATE ON runs FOR EACH ROW EXECUTE FUNCTION refuse_one_outcome();
+            """.replace("%s", str(refused.pk))
+        )
+    try:
+        outcomes = run_execute_many(run_ids=[refused.pk, fine_a.pk, fine_b.pk], worker="w1")
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("DROP TRIGGER refuse_one_outcome ON runs; DROP FUNCTION refuse_one_outcome();")
+
+    assert outcomes == {refused.pk: "outcome_not_recorded", fine_a.pk: "succeeded", fine_b.pk: "succeeded"}
+    for run in (refused, fine_a, fine_b):
+        run.refresh_from_db()
+    # The neighbours, of both services, have their outcome, their timeline and their next run.
+    for run in (fine_a, fine_b):
+        assert run.status == S.SUCCEEDED
+        assert [t for t, _ in events_of(run)] == ["claimed", "target_answered", "succeeded"]
+        assert Run.objects.filter(job_id=run.job_id, status=S.SCHEDULED).count() == 1
+    # The refused one is still running under its lease: it comes back like a dead worker's run.
+    assert refused.status == S.RUNNING and refused.lease_expires_at is not None
+    assert [t for t, _ in events_of(refused)] == ["claimed"]
