@@ -448,7 +448,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         for pk, mj in self.model.items():
             state = mj.expected_state(rows[pk])
             check_state(mj, jobs[pk], state)
-            check_one_open_run(mj, rows[pk], state)
+            check_one_open_run(mj, rows[pk], state, timeline)
             check_nothing_claimable(mj, rows[pk], timeline, extra=False)
             check_nothing_claimable(mj, rows[pk], timeline, extra=True)
             check_runs_follow_their_timing(mj, rows[pk])
@@ -466,14 +466,17 @@ def check_state(mj: ModelJob, job: Job, state: str) -> None:
     assert job.state == state, f"job {mj.pk} is {job.state}, the model says {state}"
 
 
-def check_one_open_run(mj: ModelJob, rows: list[Run], state: str) -> None:
+def check_one_open_run(mj: ModelJob, rows: list[Run], state: str, timeline: dict[int, list[RunEvent]]) -> None:
     """A live job has exactly one open normal run; a deleted or completed one has none
-    waiting (a call in flight when it was deleted may finish)."""
+    waiting (a call in flight when it was deleted may finish, its lease recovered)."""
     open_rows = [r for r in rows if r.status in Run.OPEN and not r.is_backfill]
     if state in (Job.State.ACTIVE, Job.State.PAUSED):
         assert len(open_rows) == 1, f"live job {mj.pk} has {len(open_rows)} open runs: {describe(open_rows)}"
     else:
-        waiting = [r for r in open_rows if r.status != S.RUNNING]
+        waiting = [
+            r for r in open_rows
+            if r.status != S.RUNNING and not (r.status == S.QUEUED and _lease_lost_since_claim(timeline.get(r.pk, [])))
+        ]
         assert not waiting, f"{state} job {mj.pk} has runs waiting: {describe(waiting)}"
 
 
@@ -486,7 +489,7 @@ def check_nothing_claimable(mj: ModelJob, rows: list[Run], timeline: dict[int, l
         return
     what = "deleted" if mj.deleted else "paused"
     for run in rows:
-        recovering = run.status == S.QUEUED and _last_type(timeline.get(run.pk, [])) == "lease_expired"
+        recovering = run.status == S.QUEUED and _lease_lost_since_claim(timeline.get(run.pk, []))
         if run.is_backfill != extra or run.status not in (S.SCHEDULED, S.QUEUED) or recovering:
             continue
         assert run.held and not mj.deleted, f"a run of {what} job {mj.pk} is claimable: {describe([run])}"
@@ -558,8 +561,13 @@ def check_fences(run: Run, timeline: list[RunEvent]) -> None:
             assert ev.detail["fence"] == fence, f"{describe([run])}: {ev.type} under fence {ev.detail['fence']}, latest claim {fence}"
 
 
-def _last_type(timeline: list[RunEvent]) -> str:
-    return timeline[-1].type if timeline else ""
+def _lease_lost_since_claim(timeline: list[RunEvent]) -> bool:
+    """The run was claimed, and its lease ran out after its latest claim."""
+    types = [e.type for e in timeline]
+    if "claimed" not in types:
+        return False
+    last_claim = len(types) - 1 - types[::-1].index("claimed")
+    return "lease_expired" in types[last_claim:]
 
 
 def _reason(run: Run, timeline: list[RunEvent]) -> str:
