@@ -84,10 +84,18 @@ def _db_time(value: datetime) -> object:
 # SQLite mode is one machine, whose clock is the store's.
 
 
+def _clock_in_the_database() -> bool:
+    """Whether the store's clock is the database server's (PostgreSQL) or this
+    process's (the embedded SQLite file: one machine). The one place a test that
+    mocks the clock (tests/runs/test_stateful.py) points the store's clock at its
+    own: every lease and due time goes through store_now and store_clock_sql."""
+    return connection.vendor == "postgresql"
+
+
 def store_now() -> datetime:
     """The store's clock, for the times a process compares with lease times
     (the scan's `now`, the worker's admission and heartbeat): one cheap read."""
-    if connection.vendor != "postgresql":
+    if not _clock_in_the_database():
         return timezone.now()
     with connection.cursor() as cursor:
         cursor.execute("SELECT clock_timestamp()")
@@ -98,7 +106,7 @@ def store_now() -> datetime:
 def store_clock_sql(plus: timedelta = timedelta(0)) -> tuple[str, list[object]]:
     """SQL for the store's clock plus `plus`, and its parameters. STATEMENT_TIMESTAMP:
     one instant per statement, so a batch's leases all end together."""
-    if connection.vendor == "postgresql":
+    if _clock_in_the_database():
         return ("(STATEMENT_TIMESTAMP() + %s)", [plus]) if plus else ("STATEMENT_TIMESTAMP()", [])
     return "%s", [_db_time(timezone.now() + plus)]
 
