@@ -4,9 +4,19 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import settings as hypothesis_settings
 from rest_framework.test import APIClient
 
 from jobs.services import service_account_ensure
+
+# Hypothesis profiles. "ci" is the normal run's (loaded here); `pytest
+# --hypothesis-profile=long` loads "long" over it (hypothesis's plugin loads the
+# named profile after this file is imported). Tests that set max_examples in their
+# own @settings keep it; the stateful test (tests/runs/test_stateful.py) takes its
+# example and step counts from the profile. docs/reliability.md records a long run.
+hypothesis_settings.register_profile("ci", max_examples=200, stateful_step_count=10)
+hypothesis_settings.register_profile("long", max_examples=5000, stateful_step_count=20)
+hypothesis_settings.load_profile("ci")
 
 
 class Service:
