@@ -9,7 +9,8 @@ request. A smuggled body shows up here as a garbled next request on the same
 connection, which is what a real server behind the scheduler would see.
 
 The answer is chosen by the request's path: `/e5...` a 500 and `/e4...` a 404,
-both echoing the request's raw bytes (as a target that reflects its input would),
+both echoing the request (its credentials first, then its raw bytes) as a target
+that reflects its input would,
 anything else a 200. It listens on 127.0.0.1 and, when the machine has it, on ::1,
 on the same port.
 """
@@ -25,6 +26,7 @@ TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 REQUEST_LINE = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+) (\S+) HTTP/1\.1")
 VISIBLE = re.compile(rb"[\x20-\x7e\t]*")
 ECHO_MARKER = b"echo from the target"
+CREDENTIAL = re.compile(r"(?i)auth|cookie|key|token|secret")
 PARTIAL_WAIT = 0.5  # seconds a started request may pause before it counts as cut short
 IDLE_WAIT = 30.0  # an idle keep-alive connection is closed after this
 MAX_BYTES = 1 << 20  # per connection: a runaway client is cut off, not buffered forever
@@ -263,7 +265,9 @@ class RawRecordingTarget:
         path = exchange.target.split("?", 1)[0]
         if path.startswith(("/e5", "/e4")):
             status = b"500 Internal Server Error" if path.startswith("/e5") else b"404 Not Found"
-            payload = ECHO_MARKER + b"\r\nX-Forged-Log-Line: yes\r\n" + exchange.raw[:4000]
+            # Credentials first, as a target that reflects them would: an excerpt cut short still has them.
+            credentials = [f"{n}: {v}".encode("latin-1") for n, v in exchange.headers if CREDENTIAL.search(n)]
+            payload = b"\r\n".join([ECHO_MARKER, b"X-Forged-Log-Line: yes", *credentials, exchange.raw[:4000]])
         else:
             status, payload = b"200 OK", b'{"ok": true}'
         head = [b"HTTP/1.1 " + status, b"Content-Type: text/plain", b"Content-Length: " + str(len(payload)).encode()]

@@ -27,7 +27,11 @@ received (tests/trust/raw_target.py). Properties, per example:
 Normal run: at least 300 generated jobs (6 per example). `pytest
 --hypothesis-profile=long` runs max(300, the profile's max_examples) of them:
 5,000 with the `long` profile of tests/conftest.py. The counts per category go to
-`e2e_fuzz_counts.json` in the test's tmp dir and are printed.
+`e2e_fuzz_counts.json` in the test's tmp dir and are printed (with seconds per
+phase). While working on a failure: E2E_FUZZ_JOBS=N sets the number of generated
+jobs, E2E_FUZZ_CATEGORIES=a,b narrows the categories; CI sets neither.
+On a failure, the message ends with the shrunk batch as generated ({P} is the
+target's port, {SECRET} a fresh secret per job).
 """
 from __future__ import annotations
 
