@@ -137,6 +137,11 @@ def parse_target(url: str) -> ParsedTarget:
     problem = _character_problem(url)
     if problem:
         raise ValueError(problem)
+    if "#" in url:
+        # A fragment is never sent, and `#` before an `@` is where readers disagree on
+        # the host (`http://127.0.0.1#@x.internal/`: 127.0.0.1 to urllib3 and browsers,
+        # x.internal to a reader who takes `127.0.0.1#` for a user name).
+        raise ValueError("must not have a #fragment (it is never sent to the target)")
     parsed = _parse(url)
     scheme = (parsed.scheme or "").lower()
     if scheme not in ("http", "https"):

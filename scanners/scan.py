@@ -115,8 +115,29 @@ DUE_FIELDS = (
 
 def _recover(parts: list[int], now: datetime, batch: int, result: ScanResult) -> None:
     expired = claims.release_expired_leases(partitions=parts, now=now, limit=batch)
-    events.record_many(events.event(i, "lease_expired", now) for i in expired)
-    result.lease_expired = expired
+    found = [events.event(i, "lease_expired", now) for i in expired]
+    stopped = _stop_runs_of_stopped_jobs(expired, now, found)
+    events.record_many(found)
+    result.lease_expired = [i for i in expired if i not in stopped]
+
+
+def _stop_runs_of_stopped_jobs(ids: list[int], now: datetime, found: list[events.Event]) -> set[int]:
+    """A run whose lease ran out after its job was deleted or paused is not started
+    again: a run already running when that happened may finish, but a new attempt
+    is a new start. A deleted job's run is cancelled; a paused job's goes back to
+    waiting, held, for the resume to release (jobs.services.job_resume)."""
+    if not ids:
+        return set()
+    rows = Run.objects.filter(pk__in=ids).values_list("pk", "job__state", "job__paused")
+    deleted = [pk for pk, state, _ in rows if state == Job.State.DELETED]
+    paused = [pk for pk, state, is_paused in rows if state != Job.State.DELETED and is_paused]
+    if deleted:
+        Run.objects.filter(pk__in=deleted, status=S.QUEUED).update(status=S.CANCELLED, finished_at=now, queued_at=None)
+        found += [events.event(pk, "cancelled", now, reason="job deleted") for pk in deleted]
+    if paused:
+        Run.objects.filter(pk__in=paused, status=S.QUEUED).update(status=S.SCHEDULED, held=True, queued_at=None)
+        found += [events.event(pk, "held", now, reason="job paused") for pk in paused]
+    return {*deleted, *paused}
 
 
 def _republish(parts: list[int], now: datetime, budget: int, result: ScanResult) -> None:

@@ -407,3 +407,51 @@ def waiting_on_a_lock() -> bool:
             "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
         )
         return bool(cursor.fetchone()[0])
+
+
+# ------------------------------------------- a worker dies after a delete or a pause
+
+
+def _claimed_by_a_worker_that_dies(job: Job) -> tuple[Run, Callable[[int], None]]:
+    from runs import claims
+    from tests.factories import expire_lease
+
+    run = queue_now(job)
+    [claim] = claims.claim_many(run_ids=[run.pk], worker="w-dies", lease=timedelta(seconds=60))
+    assert claim.run_id == run.pk
+    return run, expire_lease
+
+
+def test_a_deleted_jobs_run_whose_worker_died_is_cancelled_not_started_again(service: Any, target: GatedTarget) -> None:
+    job = create(service.user, target.url("/ok"))
+    run, expire_lease = _claimed_by_a_worker_that_dies(job)
+    job_delete(job=job)
+    expire_lease(run.pk)
+
+    result = scan_once(partitions=list(range(16)), publish=False)
+
+    run.refresh_from_db()
+    assert run.status == S.CANCELLED and run.pk not in result.lease_expired
+    assert list(run.events.values_list("type", flat=True))[-2:] == ["lease_expired", "cancelled"]
+    assert Run.objects.filter(job=job, status__in=Run.OPEN).count() == 0
+
+
+def test_a_paused_jobs_run_whose_worker_died_waits_held_and_the_resume_releases_it(
+    service: Any, target: GatedTarget
+) -> None:
+    job = create(service.user, target.url("/ok"))
+    run, expire_lease = _claimed_by_a_worker_that_dies(job)
+    job_pause(job=job)
+    expire_lease(run.pk)
+
+    result = scan_once(partitions=list(range(16)), publish=False)
+
+    run.refresh_from_db()
+    assert (run.status, run.held) == (S.SCHEDULED, True) and run.pk not in result.lease_expired
+    assert run_execute(run_id=run.pk) == "not_claimed"  # no new attempt while paused
+    job_resume(job=job)
+    run.refresh_from_db()
+    assert (run.status, run.held) == (S.SCHEDULED, False)
+    scan_once(partitions=list(range(16)), publish=False)
+    assert run_execute(run_id=run.pk) == "succeeded"
+    assert len(target.calls("/ok")) == 1

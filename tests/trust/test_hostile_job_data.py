@@ -57,6 +57,8 @@ AMBIGUOUS_TARGETS = [
     ("backslash-past-the-allowlist", "http://127.0.0.1\\.allowed.internal/x", "*.internal"),
     ("backslash-to-metadata", "http://169.254.169.254\\.x/latest/meta-data/", ""),
     ("backslash-in-the-path", "http://reports.internal/a\\b", ""),
+    ("fragment-before-an-at", "http://127.0.0.1#@x.allowed.internal/ok", ""),
+    ("fragment", "http://reports.internal/hook#part", ""),
     ("zone-id-past-the-allowlist", "http://[::1%25.internal]:8302/", "*.internal"),
     ("zone-id", "http://[fe80::1%25eth0]/", ""),
     ("userinfo", "http://user@reports.internal/", ""),
@@ -96,7 +98,7 @@ def test_a_target_the_parsers_could_read_two_ways_is_a_400_naming_target(
 
 CLEAR_TARGETS = [
     "https://reports.internal/rebuild",
-    "http://Reports.Internal:8443/a/b?c=d#e",
+    "http://Reports.Internal:8443/a/b?c=d",
     "http://127.0.0.1:8302/hook",
     "http://[::1]:8302/hook",
     "https://my_service.internal/x",
