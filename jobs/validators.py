@@ -151,6 +151,10 @@ def parse_target(url: str) -> ParsedTarget:
         raise ValueError("must name a host")
     authority = written.group(1)
     _check_authority(authority)
+    if url[written.end():written.end() + 1] == "?":
+        # `http://127.0.0.1?@x.internal:8080/`: a `?` ends the host for urllib3 and
+        # browsers, not for a reader who takes `127.0.0.1?` for a user name.
+        raise ValueError(f"must have a / between its host and the ?query (write {url[:written.end()]}/?...)")
     target = ParsedTarget(scheme=scheme, host=parsed.host.lower(), port=parsed.port)
     if target.port == 0:
         raise ValueError("has port 0; a port is 1 to 65535")

@@ -59,6 +59,7 @@ AMBIGUOUS_TARGETS = [
     ("backslash-in-the-path", "http://reports.internal/a\\b", ""),
     ("fragment-before-an-at", "http://127.0.0.1#@x.allowed.internal/ok", ""),
     ("fragment", "http://reports.internal/hook#part", ""),
+    ("query-before-an-at", "http://127.0.0.1?@x.allowed.internal:8080/ok", ""),
     ("zone-id-past-the-allowlist", "http://[::1%25.internal]:8302/", "*.internal"),
     ("zone-id", "http://[fe80::1%25eth0]/", ""),
     ("userinfo", "http://user@reports.internal/", ""),
