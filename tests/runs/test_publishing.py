@@ -199,3 +199,50 @@ def test_the_embedded_file_system_broker_can_carry_task_targets(granted: Any, qu
     [path] = [p for p in folder.iterdir() if p.name.endswith(f".{queue}.msg")]
     headers = json.loads(path.read_text())["headers"]
     assert headers["task"] == "reports.tasks.rebuild" and headers["idempotency_key"] == run.idempotency_key
+
+
+@pytest.fixture
+def rabbitmq_vhost() -> Any:
+    """A vhost of this test's own on the machine's RabbitMQ (docs: RECIPES), removed after."""
+    import shutil
+    import subprocess
+
+    if shutil.which("rabbitmqctl") is None:
+        pytest.skip("RabbitMQ is not installed")
+    try:
+        socket.create_connection(("127.0.0.1", 5672), timeout=1).close()
+    except OSError:
+        pytest.skip("RabbitMQ is not running on 127.0.0.1:5672")
+    vhost = f"sched-tasks-{uuid.uuid4().hex[:8]}"
+
+    def ctl(*args: str) -> None:
+        subprocess.run(["rabbitmqctl", *args], check=True, capture_output=True, timeout=60)
+
+    ctl("add_vhost", vhost)
+    try:
+        ctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
+        yield f"amqp://guest:guest@127.0.0.1:5672/{vhost}"
+    finally:
+        ctl("delete_vhost", vhost)
+
+
+def test_on_amqp_the_run_succeeds_on_the_brokers_confirm_and_the_message_waits_on_its_queue(
+    granted: Any, queue: str, rabbitmq_vhost: str
+) -> None:
+    from kombu import Connection
+
+    from runs.publishing import _transport_options
+
+    assert _transport_options(rabbitmq_vhost, 5)["confirm_publish"] is True
+    job = task_job(granted, queue)
+    run = queue_now(job)
+    with override_settings(SCHEDULER_TASK_BROKER_URL=rabbitmq_vhost):
+        assert run_execute(run_id=run.pk, worker="w1") == "succeeded"
+    # Declared by the publish (as `celery worker -Q <queue>` would): it waits for a consumer.
+    with Connection(rabbitmq_vhost) as conn:
+        message = conn.SimpleQueue(queue).get(timeout=5)
+        headers = message.headers
+        message.ack()
+    assert headers["task"] == "reports.tasks.rebuild" and headers["idempotency_key"] == run.idempotency_key
+    assert headers["fence_token"] == 1
+    assert run.events.get(type="published").detail["broker"] == rabbitmq_vhost.replace(":guest@", ":**@")
