@@ -246,3 +246,12 @@ def test_on_amqp_the_run_succeeds_on_the_brokers_confirm_and_the_message_waits_o
     assert headers["task"] == "reports.tasks.rebuild" and headers["idempotency_key"] == run.idempotency_key
     assert headers["fence_token"] == 1
     assert run.events.get(type="published").detail["broker"] == rabbitmq_vhost.replace(":guest@", ":**@")
+
+
+def test_requeue_dead_takes_a_celery_key_for_task_jobs(granted: Any, queue: str) -> None:
+    job = task_job(granted, queue)
+    url_job = make_job(owner=granted, target="http://127.0.0.1:9/hook")
+    dead = [queue_now(job), Run.objects.create(job=url_job, scheduled_for=timezone.now(), due_at=timezone.now(),
+                                               partition=url_job.partition)]
+    Run.objects.filter(pk__in=[r.pk for r in dead]).update(status=S.DEAD, finished_at=timezone.now())
+    assert list(ops.dead_runs(host=ops.check_host(f"celery:{queue}"))) == [dead[0]]
