@@ -8,6 +8,10 @@ Choices where the CONTRACT is silent:
   is well formed, the job's state refuses it. DELETE on a deleted job is 204 again
   and changes nothing (a retried DELETE must not fail or move `deleted_at`).
 - Any other ValueError a service raises is a 400 `{"detail": "<its words>"}`.
+- A job defined in code (`defined_in`, jobs.code) is changed there: PATCH of
+  anything but `paused` and DELETE are 409 ("job_12 is defined in code by
+  billing.schedules; change it there and run sync_jobs"). Pausing and resuming
+  stay open (an operator's switch in an incident), and so does run-now.
 - `POST /api/jobs/{id}/run/` and `POST /api/runs/{id}/retry/` call the same
   services as the admin (jobs.ops.job_trigger, runs.ops.run_retry); what they
   refuse (a deleted or paused job, a paused target host, a run that is not dead)
@@ -57,6 +61,7 @@ from rest_framework.response import Response
 from rest_framework.serializers import BaseSerializer
 
 from jobs import selectors, services
+from jobs.code import code_owned_refusal
 from jobs.audit import audit_record, client_address
 from jobs.ops import TriggerRefused, job_trigger
 from jobs.models import AuditEntry, Job
@@ -212,12 +217,22 @@ def paginated(view: viewsets.GenericViewSet, runs: QuerySet[Run]) -> Response:
     partial_update=extend_schema(
         summary="Change a job; {\"paused\": true/false} pauses or resumes it",
         parameters=[JOB_ID],
-        responses={200: JobSerializer, 404: NOT_FOUND, 409: OpenApiResponse(ERROR, description="The job is deleted.")},
+        responses={
+            200: JobSerializer,
+            404: NOT_FOUND,
+            409: OpenApiResponse(
+                ERROR, description="The job is deleted, or defined in code (only `paused` may change)."
+            ),
+        },
     ),
     destroy=extend_schema(
         summary="End a job: its waiting run is cancelled, its history stays readable",
         parameters=[JOB_ID],
-        responses={204: None, 404: NOT_FOUND},
+        responses={
+            204: None,
+            404: NOT_FOUND,
+            409: OpenApiResponse(ERROR, description="The job is defined in code: remove it there and sync_jobs --prune."),
+        },
     ),
 )
 class JobViewSet(viewsets.GenericViewSet):
@@ -260,6 +275,9 @@ class JobViewSet(viewsets.GenericViewSet):
         if job.state == Job.State.DELETED:
             raise Conflict(f"{job.public_id} is deleted; a deleted job cannot be changed")
         body = require_object_body(request)
+        refusal = code_owned_refusal(job, body)
+        if refusal is not None:
+            raise Conflict(refusal)
         serializer = self.get_serializer(job, data=body, partial=True)
         serializer.is_valid(raise_exception=True)
         was_paused = job.paused
@@ -274,6 +292,9 @@ class JobViewSet(viewsets.GenericViewSet):
 
     def destroy(self, request: Request, id: str) -> Response:
         job = self.get_object()
+        refusal = code_owned_refusal(job)
+        if refusal is not None and job.state != Job.State.DELETED:
+            raise Conflict(refusal)
         if job.state != Job.State.DELETED:
             with transaction.atomic():
                 call_service(services.job_delete, job=job)
