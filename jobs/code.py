@@ -339,6 +339,12 @@ def sync(*, dry_run: bool = False, prune: bool = False, now: datetime | None = N
     """Discover, check every definition, then (unless dry_run) write it all in one
     transaction: a bad definition anywhere writes nothing."""
     definitions = discover()
+    if prune and not definitions:
+        # Most likely the wrong settings (the apps missing), not "delete every code-owned job".
+        raise DefinitionError(
+            "no installed app defines any job in a schedules.py; refusing to --prune every code-owned job "
+            "(check INSTALLED_APPS, or delete them by hand)"
+        )
     if dry_run:
         return plan(definitions)
     with transaction.atomic():

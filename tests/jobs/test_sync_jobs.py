@@ -216,6 +216,16 @@ def test_an_owner_that_is_not_a_service_account_is_refused(few: list[Any], monke
     assert Job.objects.count() == 0
 
 
+def test_prune_with_no_definitions_at_all_is_refused_and_deletes_nothing(
+    few: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sync()
+    monkeypatch.setattr(code_app, "SCHEDULES", [])
+    with pytest.raises(CommandError, match="refusing to --prune every code-owned job"):
+        sync("--prune")
+    assert len(code_jobs()) == 3
+
+
 def test_the_same_name_twice_for_one_owner_is_refused(few: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(code_app, "SCHEDULES", [*few, code_app.definition(1, schedule="0 9 * * *")])
     with pytest.raises(CommandError, match="report-0001.*defined twice"):
