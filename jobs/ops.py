@@ -27,7 +27,7 @@ from jobs.audit import actor_name, audit_record
 from jobs.models import Job
 from runs import events
 from runs.delivery import iso_z
-from runs.models import Run
+from runs.models import Run, RunEvent
 from runs.services import is_held
 
 
@@ -46,8 +46,13 @@ def trigger_refusal(job: Job) -> str | None:
 
 
 def _manual_run_at(job: Job, when: datetime) -> Run | None:
-    """The run someone triggered for `when` (run-now runs carry a `triggered` event)."""
-    return Run.objects.filter(job=job, scheduled_for=when, events__type="triggered").first()
+    """The run someone asked for in the second that rounds up to `when` (its
+    `triggered` event's time), wherever a clash moved it to."""
+    asked = RunEvent.objects.filter(
+        run__job=job, type="triggered", at__gt=when - timedelta(seconds=1), at__lte=when
+    ).select_related("run")
+    event = asked.order_by("id").first()
+    return event.run if event is not None else None
 
 
 @transaction.atomic

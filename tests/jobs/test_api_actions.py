@@ -148,6 +148,20 @@ def test_a_second_run_now_in_the_same_second_is_a_409_naming_the_run_that_has_th
 
 
 @pytest.mark.django_db
+def test_a_second_run_now_is_refused_also_when_the_first_moved_past_the_jobs_own_run_that_second(
+    service: Service,
+) -> None:
+    job = new_job(service, schedule="* * * * *")
+    waiting_time = Run.objects.get(job=job).scheduled_for  # the job's own run, on a minute
+    with time_machine.travel(waiting_time - timedelta(milliseconds=600), tick=False):
+        first = run_now(service, job)
+        second = run_now(service, job)
+    assert first.status_code == 201
+    assert first.json()["scheduled_for"] != waiting_time.strftime("%Y-%m-%dT%H:%M:%SZ")  # moved on a second
+    assert second.status_code == 409 and first.json()["id"] in second.json()["detail"]
+
+
+@pytest.mark.django_db
 def test_run_now_the_next_second_makes_a_second_manual_run(service: Service) -> None:
     job = new_job(service)
     start = timezone.now().replace(microsecond=400000)
