@@ -77,7 +77,7 @@ def jobs_create_many(*, jobs: list[Job], now: datetime | None = None) -> list[Jo
     for owner_id in sorted(adding):
         _check_job_cap(owners[owner_id], adding=adding[owner_id])
     created = Job.objects.bulk_create(jobs, batch_size=500)
-    runs, found = job_next_runs(jobs=list(jobs_lock([j.pk for j in created]).values()), now=now, since=now)
+    _, found = job_next_runs(jobs=list(jobs_lock([j.pk for j in created]).values()), now=now, since=now)
     events.record_many(found)
     return created
 
