@@ -19,12 +19,14 @@ from django.contrib import admin, messages
 from django.contrib.auth import get_user_model
 from django.db import transaction
 from django.db.models import OuterRef, QuerySet, Subquery
+from django.contrib.admin.utils import unquote
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 
 from jobs import schedule, selectors, services
 from jobs.audit import audit_record
+from jobs.code import code_owned_refusal
 from jobs.models import Job, ServiceAccount, ServiceToken
 from jobs.ops import TriggerRefused, job_trigger
 from jobs.public_ids import parse_id
@@ -284,6 +286,21 @@ class TargetHostFilter(admin.SimpleListFilter):
         return queryset.filter(target_host_q(self.value())) if self.value() else queryset
 
 
+class CodeOwnedFilter(admin.SimpleListFilter):
+    title = "defined in code"
+    parameter_name = "code"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("yes", "Yes (sync_jobs)"), ("no", "No (API or admin)")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Job]) -> QuerySet[Job]:
+        if self.value() == "yes":
+            return queryset.exclude(code_source="")
+        if self.value() == "no":
+            return queryset.filter(code_source="")
+        return queryset
+
+
 # --------------------------------------------------------------------------- the admin
 
 
@@ -305,17 +322,20 @@ class JobAdmin(admin.ModelAdmin):
         "next_run_local",
         "last_outcome",
         "target_host",
+        "defined_in",
     )
-    list_filter = ("state", "owner", TargetHostFilter, "paused", "misfire")
+    list_filter = ("state", "owner", TargetHostFilter, "paused", "misfire", CodeOwnedFilter)
     search_fields = ("name", "target", "task")
     search_help_text = "Name, target, or id (job_12 or 12)."
     list_select_related = ("owner",)
     list_per_page = 50
     actions = ("pause_jobs", "resume_jobs", "run_jobs_now", "delete_jobs")
-    readonly_fields = ("state", "schedule_in_words", "next_times_preview", "created_at", "updated_at", "deleted_at")
+    readonly_fields = (
+        "state", "defined_in", "schedule_in_words", "next_times_preview", "created_at", "updated_at", "deleted_at"
+    )
 
     def get_fieldsets(self, request: HttpRequest, obj: Job | None = None) -> Any:
-        who = ("owner", "name", "state", "paused") if obj else ("owner", "name", "paused")
+        who = ("owner", "name", "state", "paused", "defined_in") if obj else ("owner", "name", "paused")
         history = (("History", {"fields": ("created_at", "updated_at", "deleted_at")}),) if obj else ()
         secret = "secret_headers"
         if obj and not self.has_change_permission(request, obj):
@@ -365,6 +385,25 @@ class JobAdmin(admin.ModelAdmin):
     def has_delete_permission(self, request: HttpRequest, obj: Job | None = None) -> bool:
         return False  # "delete" ends the job through job_delete; history stays
 
+    def has_change_permission(self, request: HttpRequest, obj: Job | None = None) -> bool:
+        # A job defined in code is read-only here (its page shows every field disabled);
+        # the list's pause, resume and run-now actions still work on it.
+        if obj is not None and code_owned_refusal(obj, ("change",)) is not None:
+            return False
+        return super().has_change_permission(request, obj)
+
+    def change_view(
+        self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        job = self.get_object(request, unquote(object_id))
+        refusal = code_owned_refusal(job, ("change",)) if job is not None else None
+        if refusal is not None:
+            if request.method == "POST":  # said in words, not a bare 403; nothing written
+                self.message_user(request, f"Not saved: {refusal}.", messages.ERROR)
+                return HttpResponseRedirect(request.get_full_path())
+            self.message_user(request, f"{refusal}.", messages.WARNING)
+        return super().change_view(request, object_id, form_url, extra_context)
+
     def has_operate_permission(self, request: HttpRequest) -> bool:
         return self.has_change_permission(request)
 
@@ -402,6 +441,10 @@ class JobAdmin(admin.ModelAdmin):
     @admin.display(description="target host")
     def target_host(self, job: Job) -> str:
         return target_key(job)
+
+    @admin.display(description="defined in code", ordering="code_source")
+    def defined_in(self, job: Job) -> str:
+        return job.code_source or "-"
 
     @admin.display(description="next five times")
     def next_times_preview(self, job: Job) -> str:
@@ -528,6 +571,10 @@ class JobAdmin(admin.ModelAdmin):
         for job in queryset:
             if job.state == Job.State.DELETED:
                 skipped.append(f"{job.public_id}: already deleted")
+                continue
+            refusal = code_owned_refusal(job)
+            if refusal is not None:
+                skipped.append(refusal)
                 continue
             with transaction.atomic():
                 services.job_delete(job=job)

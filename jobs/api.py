@@ -8,6 +8,17 @@ Choices where the CONTRACT is silent:
   is well formed, the job's state refuses it. DELETE on a deleted job is 204 again
   and changes nothing (a retried DELETE must not fail or move `deleted_at`).
 - Any other ValueError a service raises is a 400 `{"detail": "<its words>"}`.
+- A job defined in code (`defined_in`, jobs.code) is changed there: PATCH of
+  anything but `paused` and DELETE are 409 ("job_12 is defined in code by
+  billing.schedules; change it there and run sync_jobs"). Pausing and resuming
+  stay open (an operator's switch in an incident), and so does run-now.
+- `POST /api/jobs/{id}/run/` and `POST /api/runs/{id}/retry/` call the same
+  services as the admin (jobs.ops.job_trigger, runs.ops.run_retry); what they
+  refuse (a deleted or paused job, a paused target host, a run that is not dead)
+  is a 409 `{"detail": "<the reason>"}`, like PATCH on a deleted job. Run-now is
+  once per second: a second call in the same second is a 409 naming the run that
+  has that second (its Idempotency-Key is `<job id>@<that second>`), not a second
+  run under a shifted key.
 - Every write is audited (jobs.audit): created, changed (with the names of the
   fields given, never their values), paused, resumed, deleted.
 - Every operation's schema lists its error answers (ApiSchema): 401 with
@@ -50,7 +61,9 @@ from rest_framework.response import Response
 from rest_framework.serializers import BaseSerializer
 
 from jobs import selectors, services
+from jobs.code import code_owned_refusal
 from jobs.audit import audit_record, client_address
+from jobs.ops import TriggerRefused, job_trigger
 from jobs.models import AuditEntry, Job
 from jobs.pagination import query_value
 from jobs.public_ids import parse_id
@@ -62,6 +75,7 @@ from jobs.serializers import (
     json_type_name,
 )
 from runs.models import Run
+from runs.ops import RetryRefused, run_retry
 
 
 class StrictJSONParser(JSONParser):
@@ -153,6 +167,16 @@ STATUS_PARAMETER = OpenApiParameter(
 JOB_ID = OpenApiParameter("id", OpenApiTypes.STR, OpenApiParameter.PATH, description="A job id, like job_12.")
 RUN_ID = OpenApiParameter("id", OpenApiTypes.STR, OpenApiParameter.PATH, description="A run id, like run_5.")
 NOT_FOUND = OpenApiResponse(ERROR, description="No such job or run, or not the caller's.")
+RUN_NOW_REFUSED = OpenApiResponse(
+    ERROR,
+    description="Refused, with the reason: the job is deleted or paused, its target host is paused, "
+    "or it already has a manual run for this second.",
+)
+RETRY_REFUSED = OpenApiResponse(
+    ERROR,
+    description="Refused, with the reason: the run is not dead, or its job is deleted or paused, "
+    "or its target host is paused.",
+)
 
 
 def status_filter(request: Request) -> str | None:
@@ -193,12 +217,22 @@ def paginated(view: viewsets.GenericViewSet, runs: QuerySet[Run]) -> Response:
     partial_update=extend_schema(
         summary="Change a job; {\"paused\": true/false} pauses or resumes it",
         parameters=[JOB_ID],
-        responses={200: JobSerializer, 404: NOT_FOUND, 409: OpenApiResponse(ERROR, description="The job is deleted.")},
+        responses={
+            200: JobSerializer,
+            404: NOT_FOUND,
+            409: OpenApiResponse(
+                ERROR, description="The job is deleted, or defined in code (only `paused` may change)."
+            ),
+        },
     ),
     destroy=extend_schema(
         summary="End a job: its waiting run is cancelled, its history stays readable",
         parameters=[JOB_ID],
-        responses={204: None, 404: NOT_FOUND},
+        responses={
+            204: None,
+            404: NOT_FOUND,
+            409: OpenApiResponse(ERROR, description="The job is defined in code: remove it there and sync_jobs --prune."),
+        },
     ),
 )
 class JobViewSet(viewsets.GenericViewSet):
@@ -241,6 +275,9 @@ class JobViewSet(viewsets.GenericViewSet):
         if job.state == Job.State.DELETED:
             raise Conflict(f"{job.public_id} is deleted; a deleted job cannot be changed")
         body = require_object_body(request)
+        refusal = code_owned_refusal(job, body)
+        if refusal is not None:
+            raise Conflict(refusal)
         serializer = self.get_serializer(job, data=body, partial=True)
         serializer.is_valid(raise_exception=True)
         was_paused = job.paused
@@ -255,6 +292,9 @@ class JobViewSet(viewsets.GenericViewSet):
 
     def destroy(self, request: Request, id: str) -> Response:
         job = self.get_object()
+        refusal = code_owned_refusal(job)
+        if refusal is not None and job.state != Job.State.DELETED:
+            raise Conflict(refusal)
         if job.state != Job.State.DELETED:
             with transaction.atomic():
                 call_service(services.job_delete, job=job)
@@ -270,6 +310,24 @@ class JobViewSet(viewsets.GenericViewSet):
     def runs(self, request: Request, id: str) -> Response:
         wanted = status_filter(request)
         return paginated(self, selectors.runs_with_status(selectors.job_runs(self.get_object()), wanted))
+
+    @extend_schema(
+        summary="Run the job now, once, besides its schedule (its next run stays as it is)",
+        description="A manual run due now, with its own Idempotency-Key `<job id>@<now, whole seconds>`. "
+        "At most one per second: a second call in the same second is a 409 naming the run that has it.",
+        parameters=[JOB_ID],
+        request=None,
+        responses={201: RunSerializer, 404: NOT_FOUND, 409: RUN_NOW_REFUSED},
+    )
+    @action(detail=True, methods=["post"], url_path="run")
+    def run_now(self, request: Request, id: str) -> Response:
+        job = self.get_object()
+        try:
+            # job_trigger writes the audit entry (action "triggered") in its own transaction.
+            run = job_trigger(job=job, actor=request.user, via="api", once_per_second=True)
+        except TriggerRefused as exc:
+            raise Conflict(str(exc)) from exc
+        return Response(RunSerializer(run).data, status=status.HTTP_201_CREATED)
 
 
 def call_service(function: Any, **kwargs: Any) -> Any:
@@ -308,6 +366,26 @@ class RunViewSet(viewsets.GenericViewSet):
         if run is None:
             raise NotFound(f"No run {id}.")
         return Response(RunDetailSerializer(run).data)
+
+    @extend_schema(
+        summary="Put a dead run back on the queue: same Idempotency-Key, X-Attempt going on",
+        description="The run keeps its id, scheduled time and Idempotency-Key, and is due now; the job's retry "
+        "policy applies afresh while X-Attempt goes on counting from the calls made so far.",
+        parameters=[RUN_ID],
+        request=None,
+        responses={200: RunSerializer, 404: NOT_FOUND, 409: RETRY_REFUSED},
+    )
+    @action(detail=True, methods=["post"], url_path="retry")
+    def retry(self, request: Request, id: str) -> Response:
+        run_id = parse_id("run", id)
+        run = self.get_queryset().filter(pk=run_id).first() if run_id is not None else None
+        if run is None:
+            raise NotFound(f"No run {id}.")
+        try:
+            run = run_retry(run=run, actor=request.user, via="api")  # audits "requeued"
+        except RetryRefused as exc:
+            raise Conflict(str(exc)) from exc
+        return Response(RunSerializer(run).data)
 
 
 OBJECT_PARAMETER = OpenApiParameter(

@@ -74,6 +74,10 @@ class Job(models.Model):
     # When the schedule, zone or one-off time last changed: the timetable goes on from
     # there, never from before (runs.services.job_next_run_time).
     timing_changed_at = models.DateTimeField(null=True, blank=True)
+    # Code-owned: the module (`billing.schedules`) whose SCHEDULES define this job;
+    # `sync_jobs` writes it, the API and the admin refuse to change it (jobs.code).
+    # Empty for a job made through the API or the admin.
+    code_source = models.CharField(max_length=200, blank=True, default="")
 
     class Meta:
         db_table = "jobs"
@@ -83,7 +87,13 @@ class Job(models.Model):
             models.CheckConstraint(
                 condition=(models.Q(target="") & ~models.Q(task="")) | (~models.Q(target="") & models.Q(task="")),
                 name="jobs_target_or_task",
-            )
+            ),
+            # sync_jobs keys code-owned jobs by (owner, name): one live job per key.
+            models.UniqueConstraint(
+                fields=["owner", "name"],
+                condition=~models.Q(code_source="") & ~models.Q(state="deleted"),
+                name="jobs_code_owned_key",
+            ),
         ]
 
     def __str__(self) -> str:
@@ -97,6 +107,10 @@ class Job(models.Model):
     def is_task(self) -> bool:
         """A Celery task target (published to SCHEDULER_TASK_BROKER_URL), not a URL."""
         return bool(self.task)
+
+    @property
+    def is_code_owned(self) -> bool:
+        return bool(self.code_source)
 
     @property
     def is_recurring(self) -> bool:

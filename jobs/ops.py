@@ -7,6 +7,11 @@ job counts non-backfill runs only), and an extra run neither misfires nor
 creates a next run when it ends. A time that already has a run (the job's own
 run due this very second) moves the extra run on by a second, so
 `(job, scheduled_for)` stays unique and each run keeps its own Idempotency-Key.
+
+`once_per_second=True` (the API's `POST /api/jobs/{id}/run/`) refuses instead a
+second manual run in the same second: the CONTRACT gives a manual run the key
+`<job id>@<now, whole seconds>`, and two calls in one second are a double submit,
+not two wishes; the caller is told which run already has that second.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from jobs.audit import actor_name, audit_record
 from jobs.models import Job
 from runs import events
 from runs.delivery import iso_z
-from runs.models import Run
+from runs.models import Run, RunEvent
 from runs.services import is_held
 
 
@@ -40,8 +45,25 @@ def trigger_refusal(job: Job) -> str | None:
     return None
 
 
+def _manual_run_at(job: Job, when: datetime) -> Run | None:
+    """The run someone asked for in the second that rounds up to `when` (its
+    `triggered` event's time), wherever a clash moved it to."""
+    asked = RunEvent.objects.filter(
+        run__job=job, type="triggered", at__gt=when - timedelta(seconds=1), at__lte=when
+    ).select_related("run")
+    event = asked.order_by("id").first()
+    return event.run if event is not None else None
+
+
 @transaction.atomic
-def job_trigger(*, job: Job, now: datetime | None = None, actor: Any = None, via: str = "admin") -> Run:
+def job_trigger(
+    *,
+    job: Job,
+    now: datetime | None = None,
+    actor: Any = None,
+    via: str = "admin",
+    once_per_second: bool = False,
+) -> Run:
     """Run the job now, once, besides its schedule. TriggerRefused says why not."""
     now = now or timezone.now()
     job = Job.objects.select_for_update().get(pk=job.pk)
@@ -49,6 +71,13 @@ def job_trigger(*, job: Job, now: datetime | None = None, actor: Any = None, via
     if reason is not None:
         raise TriggerRefused(reason)
     when = schedule.round_up_to_second(now)
+    if once_per_second:
+        earlier = _manual_run_at(job, when)
+        if earlier is not None:
+            raise TriggerRefused(
+                f"{job.public_id} already has a manual run for {iso_z(when)} ({earlier.public_id}); "
+                "a manual run for this second exists"
+            )
     while Run.objects.filter(job=job, scheduled_for=when).exists():  # rare: a second someone else has
         when += timedelta(seconds=1)
     run = Run.objects.create(

@@ -469,6 +469,10 @@ class JobSerializer(StrictFieldsMixin, serializers.Serializer):
     )
     paused = serializers.BooleanField(required=False)
     state = serializers.ChoiceField(choices=Job.State.choices, read_only=True)
+    defined_in = serializers.SerializerMethodField(
+        help_text="The module whose SCHEDULES define this job (sync_jobs), like billing.schedules; "
+        "null for a job made through the API or the admin. A job defined in code changes there."
+    )
     next_run = serializers.SerializerMethodField()
     created_at = UtcTimeField(read_only=True)
     updated_at = UtcTimeField(read_only=True)
@@ -484,6 +488,10 @@ class JobSerializer(StrictFieldsMixin, serializers.Serializer):
         else:
             data.update(task=None, args=None, kwargs=None, queue=None)
         return data
+
+    @extend_schema_field(serializers.CharField(allow_null=True))
+    def get_defined_in(self, job: Job) -> str | None:
+        return job.code_source or None
 
     @extend_schema_field(NextRunSerializer(allow_null=True))
     def get_next_run(self, job: Job) -> dict[str, Any] | None:
@@ -726,7 +734,13 @@ class JobSerializer(StrictFieldsMixin, serializers.Serializer):
     def service_fields(self) -> dict[str, Any]:
         """validated_data under the names jobs.services takes (model columns, plus
         `headers` and `secret_headers`, which the service splits and encrypts)."""
-        fields = dict(self.validated_data)
+        return self.service_fields_of(self.validated_data)
+
+    @staticmethod
+    def service_fields_of(validated: dict[str, Any]) -> dict[str, Any]:
+        """service_fields() for one item of a `many=True` validation (sync_jobs checks
+        a thousand definitions with one serializer)."""
+        fields = dict(validated)
         if "secret_header_names" in fields:
             fields["secret_headers"] = fields.pop("secret_header_names")
         if "notify" in fields and fields["notify"] is None:

@@ -15,7 +15,7 @@ from jobs.secrets import encrypt_headers, split_headers
 from runs import events
 from runs.delivery import iso_z
 from runs.models import Run
-from runs.services import is_held, job_next_run, job_next_run_time, run_create
+from runs.services import is_held, job_next_run, job_next_run_time, job_next_runs, jobs_lock, run_create
 
 S = Run.Status
 # Fields whose change replaces the waiting run.
@@ -40,23 +40,49 @@ def _apply_headers(job: Job, headers: dict[str, str] | None, secret_names: list[
         job.secret_headers = encrypt_headers(secret)
 
 
-@transaction.atomic
-def job_create(*, owner: Any, fields: dict[str, Any], now: datetime | None = None) -> Job:
-    """The job and its first run, in one transaction."""
-    now = now or timezone.now()
-    _check_job_cap(owner)
+def job_build(*, owner: Any, fields: dict[str, Any]) -> Job:
+    """The unsaved job `fields` (JobSerializer.service_fields()) describe: what
+    job_create saves, and what sync_jobs compares a stored job with."""
     fields = dict(fields)
     headers = fields.pop("headers", None)
     secret_names = fields.pop("secret_headers", None)
     job = Job(owner=owner, **fields)
     _apply_headers(job, headers or {}, secret_names or [])
     job.state = Job.State.PAUSED if job.paused else Job.State.ACTIVE
+    return job
+
+
+@transaction.atomic
+def job_create(*, owner: Any, fields: dict[str, Any], now: datetime | None = None) -> Job:
+    """The job and its first run, in one transaction."""
+    now = now or timezone.now()
+    _check_job_cap(owner)
+    job = job_build(owner=owner, fields=fields)
     job.save()
     job_next_run(job=job, now=now, since=now)
     return job
 
 
-def _check_job_cap(owner: Any) -> None:
+@transaction.atomic
+def jobs_create_many(*, jobs: list[Job], now: datetime | None = None) -> list[Job]:
+    """job_create for many unsaved jobs (job_build's) at once: the cap checked per
+    owner, the jobs inserted together, their first runs decided together by
+    job_next_runs (the same rule as job_create's). For sync_jobs' thousand jobs."""
+    now = now or timezone.now()
+    adding: dict[Any, int] = {}
+    owners = {}
+    for job in jobs:
+        adding[job.owner_id] = adding.get(job.owner_id, 0) + 1
+        owners[job.owner_id] = job.owner
+    for owner_id in sorted(adding):
+        _check_job_cap(owners[owner_id], adding=adding[owner_id])
+    created = Job.objects.bulk_create(jobs, batch_size=500)
+    _, found = job_next_runs(jobs=list(jobs_lock([j.pk for j in created]).values()), now=now, since=now)
+    events.record_many(found)
+    return created
+
+
+def _check_job_cap(owner: Any, adding: int = 1) -> None:
     """SCHEDULER_MAX_JOBS_PER_SERVICE: jobs not deleted count. The owner's row is
     locked first, so two creates at the cap cannot both pass."""
     from django.contrib.auth import get_user_model
@@ -64,9 +90,10 @@ def _check_job_cap(owner: Any) -> None:
     limit = settings.SCHEDULER_MAX_JOBS_PER_SERVICE
     list(get_user_model().objects.select_for_update().filter(pk=owner.pk).values_list("pk"))
     count = Job.objects.filter(owner=owner).exclude(state=Job.State.DELETED).count()
-    if count >= limit:
+    if count + adding > limit:
+        has = f"already has {count} jobs" if adding == 1 else f"has {count} jobs, and {adding} more would be over"
         raise ValueError(
-            f"{owner.get_username()} already has {count} jobs, the most one service may have "
+            f"{owner.get_username()} {has}, the most one service may have "
             f"(SCHEDULER_MAX_JOBS_PER_SERVICE={limit}); delete jobs it no longer needs first"
         )
 

@@ -118,14 +118,52 @@ def requeue_refusal(run: Run) -> str | None:
     return None
 
 
+class RetryRefused(ValueError):
+    """Why a dead run cannot be put back on the queue now, in words."""
+
+
+def retry_refusal(run: Run) -> str | None:
+    """requeue_refusal, and also while the run's target host is paused (the API's
+    retry: a run put back only to sit held would look like a retry that did nothing)."""
+    reason = requeue_refusal(run)
+    if reason is None and is_held(run.job):
+        return f"{run.job.public_id}'s target host is paused (resume_target)"
+    return reason
+
+
+def _lock_run(run: Run) -> Run | None:
+    return Run.objects.select_for_update().select_related("job").filter(pk=run.pk).first()
+
+
 @transaction.atomic
 def run_requeue_dead(*, run: Run, now: datetime | None = None, actor: Any = None, via: str = "command") -> bool:
     """A dead run gets a new round of tries, same Idempotency-Key. False: not requeued
     (it is no longer dead, or its job is paused or deleted); see requeue_refusal."""
     now = now or timezone.now()
-    locked = Run.objects.select_for_update().select_related("job").filter(pk=run.pk).first()
+    locked = _lock_run(run)
     if locked is None or requeue_refusal(locked) is not None:
         return False
+    return _requeue_locked(locked, now=now, actor=actor, via=via)
+
+
+@transaction.atomic
+def run_retry(*, run: Run, now: datetime | None = None, actor: Any = None, via: str = "api") -> Run:
+    """`POST /api/runs/{id}/retry/`: run_requeue_dead, deciding from the run as it is
+    under the lock, and saying why not (RetryRefused) instead of returning False."""
+    now = now or timezone.now()
+    locked = _lock_run(run)
+    if locked is None:
+        raise RetryRefused(f"{run.public_id} no longer exists")
+    reason = retry_refusal(locked)
+    if reason is not None:
+        raise RetryRefused(reason)
+    if not _requeue_locked(locked, now=now, actor=actor, via=via):
+        raise RetryRefused(f"{locked.public_id} changed meanwhile")  # cannot happen under the lock; be sure
+    locked.refresh_from_db()
+    return locked
+
+
+def _requeue_locked(locked: Run, *, now: datetime, actor: Any, via: str) -> bool:
     changed = Run.objects.filter(pk=locked.pk, status=S.DEAD).update(
         status=S.SCHEDULED,
         due_at=now,
