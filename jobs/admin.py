@@ -486,7 +486,7 @@ class JobAdmin(admin.ModelAdmin):
                 skipped.append(str(exc))
                 continue
             done.append(job)
-            self.message_user(request, f"{job.public_id}: {run.public_id} runs at {iso_z(run.scheduled_for)}.")
+            self.message_user(request, f"Made run {run.public_id} of {job.public_id}, due at {iso_z(run.scheduled_for)}.")
         self._report(request, "Triggered", done, skipped)
 
     @admin.action(description="Delete selected jobs (cancel waiting runs, keep history)", permissions=["end"])
