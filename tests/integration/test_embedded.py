@@ -1,6 +1,7 @@
 """The README's first command: the whole scheduler on the embedded defaults."""
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import signal
@@ -113,3 +114,21 @@ def test_a_second_instance_refuses_and_kill_9_of_the_quickstart_ends_its_childre
     again = embedded(data, "--port", str(free_port()), "--exit-after-demo", "--demo-timeout", "60")
     assert again.returncode == 0, again.stdout + again.stderr
     assert len(demo_jobs(data)) == 1
+
+
+@pytest.mark.skipif(bool(os.environ.get("DATABASE_URL")), reason="runs in the embedded pass of scripts/test.sh")
+def test_a_lock_still_held_after_its_instance_ended_is_said_to_be_its_leftover_processes(tmp_path: Path) -> None:
+    data = tmp_path / "var"
+    data.mkdir()
+    gone = subprocess.Popen(["true"])  # a pid that has ended
+    gone.wait()
+    with (data / "embedded.lock").open("w") as held:  # as a leftover child holds it
+        held.write(f"{gone.pid}\n")
+        held.flush()
+        fcntl.flock(held, fcntl.LOCK_EX)
+        refused = embedded(data, "--port", str(free_port()), "--exit-after-demo", timeout=60)
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert refused.stderr.strip() == (
+        f"CommandError: the processes of an embedded scheduler that has ended (pid {gone.pid}) still hold the data "
+        f"directory {data}; they stop within seconds: try again then"
+    )

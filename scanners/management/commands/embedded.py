@@ -70,6 +70,7 @@ class Command(BaseCommand):
         base = f"http://127.0.0.1:{port}"
         log_path = Path(settings.DATA_DIR) / LOG_NAME
         children = self._start_children(port, log_path, lock)
+        signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops it as Ctrl-C does, children first
         try:
             _wait_until_up(base, children, log_path)
             self.stdout.write(
@@ -77,7 +78,7 @@ class Command(BaseCommand):
                 f"  admin:     {base}/admin/  (user admin, password {password})\n"
                 f"  API:       {base}/api/    (Authorization: Token $(cat {token_file}))\n"
                 f"  API docs:  {base}/api/docs/\n"
-                f"  data:      {settings.DATA_DIR}  (the processes' output: {log_path})"
+                f"  data:      {settings.DATA_DIR}  (the processes' output: {LOG_NAME})"
             )
             ok = self._demo(base, token, demo_timeout)
             if exit_after_demo:
@@ -86,7 +87,6 @@ class Command(BaseCommand):
                 return
             self.stdout.write("Running. Ctrl-C stops everything.")
             self.stdout.flush()
-            signal.signal(signal.SIGTERM, _interrupt)
             while all(child.poll() is None for child in children):
                 time.sleep(0.5)
             raise CommandError(f"a child process stopped:{_log_tail(log_path)}")
@@ -172,6 +172,11 @@ def _instance_lock(data_dir: Path) -> int:
     except BlockingIOError:
         holder = os.pread(descriptor, 64, 0).decode(errors="replace").strip() or "?"
         os.close(descriptor)
+        if holder.isdigit() and not _alive(int(holder)):
+            raise CommandError(
+                f"the processes of an embedded scheduler that has ended (pid {holder}) still hold the data "
+                f"directory {data_dir}; they stop within seconds: try again then"
+            ) from None
         raise CommandError(
             f"another embedded scheduler (pid {holder}) is running on the data directory {data_dir}: "
             "stop it first, or give this one another SCHEDULER_DATA_DIR"
@@ -179,6 +184,16 @@ def _instance_lock(data_dir: Path) -> int:
     os.ftruncate(descriptor, 0)
     os.pwrite(descriptor, f"{os.getpid()}\n".encode(), 0)
     return descriptor
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _die_with_parent(parent: int) -> Callable[[], None] | None:
