@@ -483,7 +483,7 @@ class JobAdmin(admin.ModelAdmin):
             try:
                 run = job_trigger(job=job, actor=request.user, via="admin")
             except TriggerRefused as exc:
-                skipped.append(str(exc))
+                self.message_user(request, f"Not run now: {exc}.", messages.WARNING)
                 continue
             done.append(job)
             self.message_user(request, f"Made run {run.public_id} of {job.public_id}, due at {iso_z(run.scheduled_for)}.")

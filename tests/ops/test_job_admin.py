@@ -89,6 +89,14 @@ def test_run_now_makes_an_extra_run(operator_client: Client, owner: Any) -> None
     assert extra.events.filter(type="triggered", detail__by="olga-operator").exists()
 
 
+def test_run_now_on_a_paused_job_says_why_it_did_not_run(operator_client: Client, owner: Any) -> None:
+    job = new_job(owner)
+    act(operator_client, "pause_jobs", job)
+    response = act(operator_client, "run_jobs_now", job)
+    assert messages_of(response) == [f"Not run now: {job.public_id} is paused; resume it first."]
+    assert not Run.objects.filter(job=job, is_backfill=True).exists()
+
+
 def test_delete_ends_the_job_and_keeps_its_history(operator_client: Client, owner: Any) -> None:
     job = new_job(owner)
     act(operator_client, "delete_jobs", job)
