@@ -3,8 +3,10 @@
 Runs the API and admin (runserver), one scanner and one Celery worker as child
 processes on the embedded defaults (a SQLite file, a file-system broker and the
 single-node coordinator), prints the admin URL, a login and where its API token is kept,
-creates a demo job against the built-in echo target and shows its run's
-timeline until it succeeds. For one machine only: production uses PostgreSQL,
+makes the demo job (once; later starts run it again) against the built-in echo target and
+shows its run's timeline until it succeeds, in one screen of output (the children's goes
+to the data directory's embedded.log). One instance per data directory (a flock its
+children hold too); the children get SIGTERM when it dies, however it dies. For one machine only: production uses PostgreSQL,
 Redis and ZooKeeper (README).
 """
 from __future__ import annotations
@@ -32,12 +34,10 @@ from jobs.services import service_account_ensure
 from jobs.tokens import token_user
 
 ROOT = Path(settings.BASE_DIR)
-DEMO_SERVICE = "demo"
-
-
+DEMO_SERVICE = "demo"  # the service account the demo job and the token file belong to
 DEMO_NAME = "demo-echo"
-LOG_NAME = "embedded.log"
-LOCK_NAME = "embedded.lock"
+LOG_NAME = "embedded.log"  # in the data directory: the children's output, kept off the terminal
+LOCK_NAME = "embedded.lock"  # in the data directory: one instance per directory (flock)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
