@@ -559,10 +559,10 @@ class JobAdmin(admin.ModelAdmin):
             try:
                 run = job_trigger(job=job, actor=request.user, via="admin")
             except TriggerRefused as exc:
-                skipped.append(str(exc))
+                self.message_user(request, f"Not run now: {exc}.", messages.WARNING)
                 continue
             done.append(job)
-            self.message_user(request, f"{job.public_id}: {run.public_id} runs at {iso_z(run.scheduled_for)}.")
+            self.message_user(request, f"Made run {run.public_id} of {job.public_id}, due at {iso_z(run.scheduled_for)}.")
         self._report(request, "Triggered", done, skipped)
 
     @admin.action(description="Delete selected jobs (cancel waiting runs, keep history)", permissions=["end"])

@@ -1,6 +1,7 @@
 """`Authorization: Token <token>` for the API (jobs.tokens), with guessing slowed.
 
-A missing header is anonymous (the permission check answers 401); a bad token is
+A missing header is anonymous (the permission check answers 401); `Bearer` is a 401
+that names the scheme to use; a bad token is
 401 with `WWW-Authenticate: Token` and counts as one failure for the caller's
 address. SCHEDULER_TOKEN_FAILURES failures from one address lock that address out
 for SCHEDULER_TOKEN_LOCKOUT seconds: every token call from it, good tokens too, is
@@ -25,6 +26,7 @@ from jobs.tokens import token_user
 
 KEYWORD = "Token"
 PREFIX = "scheduler:token-failures:"
+BEARER_REFUSED = "This API's scheme is Token, not Bearer: send `Authorization: Token <token>`."
 
 
 def lockout_wait(addr: str, now: float | None = None) -> int:
@@ -60,6 +62,10 @@ class ServiceTokenAuthentication(TokenAuthentication):
 
     def authenticate(self, request: Request) -> tuple[Any, str] | None:
         words = get_authorization_header(request).split()
+        if words and words[0].lower() == b"bearer":
+            # A common guess (OAuth's scheme); say which one this API takes. The token is not
+            # looked at, so this tells a guesser nothing and counts as no failure.
+            raise AuthenticationFailed(BEARER_REFUSED)
         if not words or words[0].lower() != KEYWORD.lower().encode():
             return None
         addr = client_address(request._request)

@@ -319,7 +319,10 @@ class StrictFieldsMixin:
 
 
 class RetrySerializer(StrictFieldsMixin, serializers.Serializer):
-    """`retry`, flattened onto the job's retry_* columns (source="*")."""
+    """How a failed call is tried again: up to `max` more tries, waiting `base` first and
+    growing by `backoff` up to `cap`, with jitter."""
+
+    # Flattened onto the job's retry_* columns (source="*" on the job serializer's field).
 
     max = serializers.IntegerField(
         source="retry_max",
@@ -368,8 +371,12 @@ def _model_default(name: str) -> Any:
 
 
 class JobSerializer(StrictFieldsMixin, serializers.Serializer):
-    """A job, in and out. Input names are the CONTRACT's; `source` maps them onto the
-    model's columns, and `validate` turns schedule/at/delay into schedule/run_at."""
+    """A job: what to call (`target`), with what (`method`, `headers`, `payload`),
+    and when (exactly one of `schedule`, `at` or `delay`)."""
+
+    # The docstring above is the schema's description of Job and PatchedJob, for API
+    # users. For us: input names are the contract's; `source` maps them onto the model's
+    # columns, and `validate` turns schedule/at/delay into schedule/run_at.
 
     id = serializers.CharField(source="public_id", read_only=True, help_text="Like job_88213.")
     name = serializers.CharField(required=False, allow_blank=True, max_length=200)

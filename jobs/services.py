@@ -249,6 +249,14 @@ def backfill_plan(*, job: Job, since: datetime, until: datetime, now: datetime) 
         raise BackfillError(f"{job.public_id} is deleted")
     if until <= since:
         raise BackfillError("--until must be after --since")
+    created = job.created_at.replace(microsecond=0)
+    if since < created:
+        # A job has no runs from before it existed; filling them in silently would call
+        # the target for times nobody asked for (issue 16).
+        raise BackfillError(
+            f"--since {iso_z(since)} is before {job.public_id} was created ({iso_z(created)}); "
+            f"give --since {iso_z(created)} or later"
+        )
     end = min(until, now)
     if job.is_recurring:
         wanted: list[datetime] = []

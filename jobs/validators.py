@@ -145,7 +145,9 @@ def parse_target(url: str) -> ParsedTarget:
     parsed = _parse(url)
     scheme = (parsed.scheme or "").lower()
     if scheme not in ("http", "https"):
-        raise ValueError(f"must be an http or https URL, not {parsed.scheme or 'a relative'!r} one")
+        if not parsed.scheme:
+            raise ValueError("must be a full URL starting with http:// or https://, like https://reports.internal/rebuild")
+        raise ValueError(f"must start with http:// or https://, not {parsed.scheme}:")
     written = _AUTHORITY.match(url)
     if not parsed.host or written is None or not written.group(1):
         raise ValueError("must name a host")

@@ -45,7 +45,11 @@ class BreakerList(ListAPIView):
             return TargetBreaker.objects.none()
         return breakers.breakers_for(self.request.user).prefetch_related("transitions")
 
+    # drf-spectacular documents `get` (ListAPIView's handler), not `list`.
     @extend_schema(summary="Target hosts' circuit breakers (the caller's hosts; staff: all)")
+    def get(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        return self.list(request, *args, **kwargs)
+
     def list(self, request: Request, *args: Any, **kwargs: Any) -> Response:
         page = self.paginate_queryset(self.get_queryset())
         now = claims.store_now()  # slot leases and probe times are in the store's clock

@@ -316,7 +316,7 @@ def prune_runs(
     """Delete finished runs (terminal statuses) that finished before now - older_than,
     with their events, `batch` runs per transaction. Never an open run."""
     if older_than <= timedelta(0):
-        raise OpsError("--older-than must be more than 0s")
+        raise OpsError("the age must be more than 0s")
     now = now or timezone.now()
     cutoff = now - older_than
     old = Run.objects.filter(status__in=Run.TERMINAL, finished_at__lt=cutoff)

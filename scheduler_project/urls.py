@@ -4,6 +4,7 @@ from __future__ import annotations
 from django.conf import settings
 from django.contrib import admin
 from django.urls import include, path
+from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
 from rest_framework.routers import SimpleRouter
 
@@ -11,15 +12,19 @@ from jobs.api import AuditViewSet, JobViewSet, RunViewSet
 from runs.api import BreakerList
 from runs.metrics import metrics_view
 from scheduler_project import demo
+from scheduler_project.index import ApiRoot
 
-# SimpleRouter, not DefaultRouter: no browsable API root view to document or guard.
+# SimpleRouter, not DefaultRouter: the API root is our own public index (scheduler_project.index).
 router = SimpleRouter()
 router.register("jobs", JobViewSet, basename="job")
 router.register("runs", RunViewSet, basename="run")
 router.register("audit", AuditViewSet, basename="audit")
 
 urlpatterns = [
+    # A browser that opens the server's address (or the admin's "View site") lands in the admin.
+    path("", RedirectView.as_view(url="/admin/", permanent=False), name="home"),
     path("admin/", admin.site.urls),
+    path("api/", ApiRoot.as_view(), name="api-root"),
     path("api/breakers/", BreakerList.as_view(), name="breakers"),
     path("api/", include(router.urls)),
     # drf-spectacular's defaults leave these two readable without a token (documentation,

@@ -2,7 +2,8 @@
 # The scheduler on its embedded defaults, on a fresh machine: `bash scripts/quickstart.sh [--port N]`.
 # Makes .venv, installs requirements.txt, then runs `python manage.py embedded`
 # (API + admin, a scanner and a worker on SQLite, a file broker and a single-node
-# coordinator), which shows a demo run go from schedule to done. Ctrl-C stops it.
+# coordinator), which shows a demo run go from schedule to done. Ctrl-C stops it;
+# the processes' own output goes to var/embedded.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then

@@ -23,6 +23,15 @@ def make_job(owner: Any = None, **fields: Any) -> Job:
     return Job.objects.create(owner=owner, **values)
 
 
+def created_long_ago(job: Job, when: datetime | None = None) -> Job:
+    """The job as if it had been created at `when` (default: a year before 2026), so a
+    backfill may reach back past the test's own creation of it."""
+    when = when or datetime(2025, 1, 1, tzinfo=dt_timezone.utc)
+    Job.objects.filter(pk=job.pk).update(created_at=when)
+    job.refresh_from_db()
+    return job
+
+
 def make_run(job: Job, scheduled_for: datetime, **fields: Any) -> Run:
     values: dict[str, Any] = {
         "job": job,

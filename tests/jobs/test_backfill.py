@@ -10,7 +10,7 @@ from django.core.management import CommandError, call_command
 
 from jobs.services import job_create
 from runs.models import Run
-from tests.factories import utc
+from tests.factories import created_long_ago, utc
 
 pytestmark = [pytest.mark.django_db, pytest.mark.embedded]
 
@@ -23,11 +23,12 @@ def backfill(*args: str) -> str:
 
 @pytest.fixture
 def hourly(service: Any) -> Any:
-    return job_create(
+    job = job_create(
         owner=service.user,
         fields={"name": "hourly", "schedule": "0 * * * *", "target": "http://127.0.0.1:9/h"},
         now=utc("2026-10-28T12:30:00Z"),
     )
+    return created_long_ago(job)
 
 
 @time_machine.travel("2026-10-28T12:30:00Z", tick=False)
@@ -66,3 +67,42 @@ def test_bad_arguments_are_refused_with_a_reason(hourly: Any, args: tuple[str, .
     with pytest.raises(CommandError, match=message):
         backfill(*filled)
     assert not Run.objects.filter(job=hourly, is_backfill=True).exists()
+
+
+@time_machine.travel("2026-10-28T12:30:00Z", tick=False)
+def test_a_backfill_from_before_the_job_existed_is_refused_naming_when_it_was_created(service: Any) -> None:
+    job = job_create(
+        owner=service.user,
+        fields={"name": "new", "schedule": "0 * * * *", "target": "http://127.0.0.1:9/h"},
+        now=utc("2026-10-28T12:30:00Z"),
+    )
+    with pytest.raises(CommandError) as refused:
+        backfill(job.public_id, "--since", "2026-10-28T10:30:00Z", "--until", "2026-10-28T12:30:00Z")
+    assert str(refused.value) == (
+        f"--since 2026-10-28T10:30:00Z is before {job.public_id} was created (2026-10-28T12:30:00Z); "
+        "give --since 2026-10-28T12:30:00Z or later"
+    )
+    assert not Run.objects.filter(job=job, is_backfill=True).exists()
+
+
+@time_machine.travel("2026-10-28T12:30:00Z", tick=False)
+def test_a_time_with_an_offset_other_than_utc_is_refused_naming_the_utc_time(hourly: Any) -> None:
+    with pytest.raises(CommandError) as refused:
+        backfill(hourly.public_id, "--since", "2026-10-28T11:30:00+05:30", "--until", "2026-10-28T10:00:00Z")
+    assert str(refused.value) == (
+        "--since '2026-10-28T11:30:00+05:30' is not in UTC; give it as 2026-10-28T06:00:00Z (times here are UTC)"
+    )
+    assert not Run.objects.filter(job=hourly, is_backfill=True).exists()
+
+
+@time_machine.travel("2026-10-28T12:30:00Z", tick=False)
+def test_a_utc_offset_written_as_plus_zero_is_accepted(hourly: Any) -> None:
+    out = backfill(hourly.public_id, "--since", "2026-10-28T06:00:00+00:00", "--until", "2026-10-28T07:00:00Z")
+    assert out.strip() == f"{hourly.public_id}: created 1 run from 2026-10-28T06:00:00Z to 2026-10-28T06:00:00Z; 0 times already had a run"
+
+
+@time_machine.travel("2026-10-28T12:30:00Z", tick=False)
+def test_one_time_that_already_had_a_run_is_counted_in_the_singular(hourly: Any) -> None:
+    args = (hourly.public_id, "--since", "2026-10-28T06:00:00Z", "--until", "2026-10-28T07:00:00Z")
+    backfill(*args)
+    assert backfill(*args).strip() == f"{hourly.public_id}: created 0 runs; 1 time already had a run"

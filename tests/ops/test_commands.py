@@ -18,7 +18,7 @@ from django.db import connection
 
 from jobs.models import Job
 from runs.models import PausedTarget, Run, RunEvent
-from tests.factories import make_run
+from tests.factories import created_long_ago, make_run
 from tests.ops.conftest import ago, dead_run, new_job
 
 pytestmark = pytest.mark.django_db
@@ -107,6 +107,27 @@ def test_pause_and_resume_target_dry_runs_change_nothing_and_second_runs_change_
     assert snapshot() == resumed and not Run.objects.get(job=job).held
 
 
+def test_pause_target_on_a_host_no_job_calls_is_refused_as_a_likely_typo(owner: Any) -> None:
+    new_job(owner)
+    before = snapshot()
+    with pytest.raises(CommandError) as refused:
+        run("pause_target", "reprots.internal")
+    assert str(refused.value) == (
+        "no job calls reprots.internal (the host as written in target URLs, port included); "
+        "check the spelling, or pass --force to pause it before any job uses it"
+    )
+    assert snapshot() == before
+
+
+def test_pause_target_with_force_pauses_a_host_before_any_job_calls_it(owner: Any) -> None:
+    assert run("pause_target", "later.internal", "--force").strip() == (
+        "later.internal paused: held 0 waiting run(s) of 0 job(s)"
+    )
+    assert PausedTarget.objects.filter(host="later.internal").exists()
+    job = new_job(owner, target="https://later.internal/x")
+    assert Run.objects.get(job=job).held
+
+
 @pytest.mark.parametrize("command", ["pause_target", "resume_target"])
 @pytest.mark.parametrize("host", ["", "https://reports.internal/x"])
 def test_target_commands_refuse_a_url_or_nothing(command: str, host: str) -> None:
@@ -132,6 +153,12 @@ def test_prune_runs_dry_run_counts_and_changes_nothing_and_a_second_run_deletes_
     assert snapshot() == after and Run.objects.filter(status=S.SCHEDULED).count() == 2
 
 
+def test_prune_runs_says_a_zero_age_once_in_plain_words() -> None:
+    with pytest.raises(CommandError) as refused:
+        run("prune_runs", "--older-than", "0s")
+    assert str(refused.value) == "--older-than must be more than 0s, not '0s'; give an age like 90d"
+
+
 @pytest.mark.parametrize("value", ["ninety days", "0s", "-5d"])
 def test_prune_runs_refuses_a_bad_age(value: str) -> None:
     with pytest.raises(CommandError, match="--older-than"):
@@ -142,7 +169,7 @@ def test_prune_runs_refuses_a_bad_age(value: str) -> None:
 
 
 def test_backfill_dry_run_changes_nothing_and_a_second_run_creates_nothing(owner: Any) -> None:
-    job = new_job(owner, schedule="0 * * * *", timezone="UTC")
+    job = created_long_ago(new_job(owner, schedule="0 * * * *", timezone="UTC"))
     hour = ago().replace(minute=0, second=0)
     since, until = (hour - timedelta(hours=30)).isoformat(), (hour - timedelta(hours=2)).isoformat()
     before = snapshot()
@@ -157,7 +184,7 @@ def test_backfill_dry_run_changes_nothing_and_a_second_run_creates_nothing(owner
 
 
 def test_backfill_shows_a_progress_bar_on_stderr_only_for_large_ranges(owner: Any) -> None:
-    job = new_job(owner, schedule="* * * * *", timezone="UTC")
+    job = created_long_ago(new_job(owner, schedule="* * * * *", timezone="UTC"))
     err = StringIO()
     call_command(
         "backfill",

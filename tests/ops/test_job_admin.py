@@ -85,8 +85,16 @@ def test_run_now_makes_an_extra_run(operator_client: Client, owner: Any) -> None
     job = new_job(owner)
     response = act(operator_client, "run_jobs_now", job)
     extra = Run.objects.get(job=job, is_backfill=True)
-    assert f"{job.public_id}: {extra.public_id} runs at" in messages_of(response)[0]
+    assert f"Made run {extra.public_id} of {job.public_id}, due at" in messages_of(response)[0]
     assert extra.events.filter(type="triggered", detail__by="olga-operator").exists()
+
+
+def test_run_now_on_a_paused_job_says_why_it_did_not_run(operator_client: Client, owner: Any) -> None:
+    job = new_job(owner)
+    act(operator_client, "pause_jobs", job)
+    response = act(operator_client, "run_jobs_now", job)
+    assert messages_of(response) == [f"Not run now: {job.public_id} is paused; resume it first."]
+    assert not Run.objects.filter(job=job, is_backfill=True).exists()
 
 
 def test_delete_ends_the_job_and_keeps_its_history(operator_client: Client, owner: Any) -> None:
@@ -113,7 +121,7 @@ def form_data(client: Client, job: Job, **changes: Any) -> dict[str, Any]:
         ("schedule", "0 25 * * *", "is not a valid cron expression"),
         ("timezone", "Mars/Olympus", "unknown time zone"),
         ("window", "5 minutes", "is not a duration"),
-        ("target", "ftp://x/y", "http or https"),
+        ("target", "ftp://x/y", "must start with http:// or https://, not ftp:"),
         ("retry_cap", "1s", "must be at least base"),
     ],
 )

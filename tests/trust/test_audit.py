@@ -16,7 +16,7 @@ from rest_framework.test import APIClient
 from jobs.audit import audit_record
 from jobs.models import AuditEntry, Job
 from tests.conftest import Service
-from tests.factories import make_job, make_run, utc
+from tests.factories import created_long_ago, make_job, make_run, utc
 
 pytestmark = [pytest.mark.django_db, pytest.mark.embedded]
 JOB = {"schedule": "0 2 * * *", "target": "https://reports.test/hook"}
@@ -141,7 +141,7 @@ def test_commands_are_audited_with_the_os_user_and_the_host(capsys: pytest.Captu
 
 
 def test_a_backfill_is_audited(service: Service, capsys: pytest.CaptureFixture[str]) -> None:
-    job = make_job(owner=service.user, schedule="0 * * * *")
+    job = created_long_ago(make_job(owner=service.user, schedule="0 * * * *"))
 
     call_command("backfill", job.public_id, "--since", "2026-01-01T00:00:00Z", "--until", "2026-01-01T03:00:00Z")
 

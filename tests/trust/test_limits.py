@@ -16,7 +16,7 @@ from rest_framework.throttling import UserRateThrottle
 from jobs.models import Job
 from runs.models import Run, RunEvent
 from tests.conftest import Service
-from tests.factories import make_job
+from tests.factories import created_long_ago, make_job
 
 pytestmark = [pytest.mark.django_db, pytest.mark.embedded]
 JOB = {"schedule": "0 2 * * *", "target": "https://reports.test/hook"}
@@ -97,7 +97,7 @@ def test_the_job_cap_is_per_service(service: Service, other_service: Service) ->
 
 @override_settings(SCHEDULER_BACKFILL_MAX_RUNS=5)
 def test_a_backfill_over_the_cap_refuses_with_a_message_and_creates_nothing() -> None:
-    job = make_job(schedule="* * * * *")
+    job = created_long_ago(make_job(schedule="* * * * *"))
     before = counts()
     until = timezone.now().replace(second=0, microsecond=0)
     since = until - timedelta(hours=1)
@@ -110,7 +110,7 @@ def test_a_backfill_over_the_cap_refuses_with_a_message_and_creates_nothing() ->
 
 @override_settings(SCHEDULER_BACKFILL_MAX_RUNS=60)
 def test_a_backfill_at_the_cap_is_allowed(capsys: pytest.CaptureFixture[str]) -> None:
-    job = make_job(schedule="* * * * *")
+    job = created_long_ago(make_job(schedule="* * * * *"))
     until = timezone.now().replace(second=0, microsecond=0)
 
     call_command("backfill", job.public_id, "--since", (until - timedelta(hours=1)).isoformat(),

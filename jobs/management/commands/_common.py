@@ -10,13 +10,19 @@ from jobs.public_ids import parse_id
 
 
 def parse_utc(option: str, value: str) -> datetime:
-    """ISO 8601 UTC: `2026-10-01T00:00:00Z` (an offset is converted; no offset means UTC)."""
+    """ISO 8601 UTC, as the commands' docs say: `2026-10-01T00:00:00Z` (or `+00:00`, or no
+    offset, which means UTC). Another offset is refused, naming the UTC time it stands for:
+    an operator who typed local time should see it rather than get a range hours off."""
     try:
         parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError as exc:
         raise CommandError(f"{option} {value!r} is not an ISO 8601 time like 2026-10-01T00:00:00Z") from exc
     if parsed.tzinfo is None:
-        parsed = parsed.replace(tzinfo=dt_timezone.utc)
+        return parsed.replace(tzinfo=dt_timezone.utc)
+    offset = parsed.utcoffset()
+    if offset:
+        utc = parsed.astimezone(dt_timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        raise CommandError(f"{option} {value!r} is not in UTC; give it as {utc} (times here are UTC)")
     return parsed.astimezone(dt_timezone.utc)
 
 

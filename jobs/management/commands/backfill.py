@@ -22,9 +22,14 @@ class Command(BaseCommand):
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("job_id")
-        parser.add_argument("--since", required=True)
-        parser.add_argument("--until", required=True)
+        parser.add_argument("job_id", metavar="JOB_ID", help="the job, as job_12 or 12")
+        parser.add_argument(
+            "--since", required=True, metavar="T",
+            help="first time to fill, ISO 8601 UTC like 2026-10-01T00:00:00Z; not before the job was created",
+        )
+        parser.add_argument(
+            "--until", required=True, metavar="T", help="end of the range (not included), ISO 8601 UTC; capped at now"
+        )
         parser.add_argument("--dry-run", action="store_true", help="say what would be created, create nothing")
 
     def handle(self, *args: Any, job_id: str, since: str, until: str, dry_run: bool, **options: Any) -> None:
@@ -37,9 +42,7 @@ class Command(BaseCommand):
         verb = "would create" if dry_run else "created"
         span = f" from {iso_z(plan.times[0])} to {iso_z(plan.times[-1])}" if plan.times else ""
         if dry_run or not plan.times:
-            self.stdout.write(
-                f"{job.public_id}: {verb} {len(plan.times)} runs{span}; {plan.existing} times already had a run"
-            )
+            self.stdout.write(f"{job.public_id}: {verb} {_runs(len(plan.times))}{span}; {_existing(plan.existing)}")
             return
         made = 0
         for i in range(0, len(plan.times), CHUNK):
@@ -54,7 +57,7 @@ class Command(BaseCommand):
                 obj=job,
                 detail={"runs": made, "since": iso_z(start), "until": iso_z(end)},
             )
-        self.stdout.write(f"{job.public_id}: {verb} {made} runs{span}; {plan.existing} times already had a run")
+        self.stdout.write(f"{job.public_id}: {verb} {_runs(made)}{span}; {_existing(plan.existing)}")
 
     def _progress(self, done: int, total: int, width: int = 30) -> None:
         """A bar on stderr (stdout stays the one-line result scripts read); redrawn in
@@ -66,3 +69,11 @@ class Command(BaseCommand):
             self.stderr.flush()
         else:
             self.stderr.write(bar)
+
+
+def _runs(count: int) -> str:
+    return f"{count} run{'' if count == 1 else 's'}"
+
+
+def _existing(count: int) -> str:
+    return f"{count} time{' already had a run' if count == 1 else 's already had a run'}"

@@ -20,7 +20,7 @@ class Command(BaseCommand):
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("name")
+        parser.add_argument("name", metavar="NAME", help="the service account (made if it does not exist)")
         parser.add_argument("--email", default="", help="where dead-run notices go by default")
 
     def handle(self, *args: Any, name: str, email: str, **options: Any) -> None:

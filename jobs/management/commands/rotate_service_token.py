@@ -15,7 +15,7 @@ class Command(BaseCommand):
     help = "Give service NAME a new API token and print only it; every other token of NAME stops working at once."
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("name")
+        parser.add_argument("name", metavar="NAME", help="the service account")
 
     def handle(self, *args: Any, name: str, **options: Any) -> None:
         service = get_service(name)

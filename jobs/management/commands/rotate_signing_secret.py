@@ -19,7 +19,7 @@ class Command(BaseCommand):
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("name")
+        parser.add_argument("name", metavar="NAME", help="the service account")
 
     def handle(self, *args: Any, name: str, **options: Any) -> None:
         service = get_service(name)

@@ -18,15 +18,20 @@ class Command(BaseCommand):
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("--older-than", required=True, help='a duration like "90d" (s, m, h or d)')
+        parser.add_argument("--older-than", required=True, metavar="AGE", help='a duration like "90d" (s, m, h or d)')
         parser.add_argument("--dry-run", action="store_true", help="count what would be deleted, delete nothing")
 
     def handle(self, *args: Any, older_than: str, dry_run: bool, **options: Any) -> None:
         try:
             age = parse_duration(older_than)
-            result = prune_runs(older_than=age, dry_run=dry_run)
-        except (ValueError, OpsError) as exc:
+        except ValueError as exc:
             raise CommandError(f"--older-than: {exc}") from exc
+        if not age:
+            raise CommandError(f"--older-than must be more than 0s, not {older_than!r}; give an age like 90d")
+        try:
+            result = prune_runs(older_than=age, dry_run=dry_run)
+        except OpsError as exc:
+            raise CommandError(str(exc)) from exc
         verb = "would delete" if dry_run else "deleted"
         self.stdout.write(
             f"{verb} {result.runs} finished run(s) and {result.events} event(s) finished before {iso_z(result.cutoff)}"

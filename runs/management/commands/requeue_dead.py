@@ -18,10 +18,12 @@ class Command(BaseCommand):
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("--job", help="only this job's dead runs (job_12 or 12)")
-        parser.add_argument("--target", help="only runs whose target is on HOST (as in the URL, port included)")
-        parser.add_argument("--since", help="died at or after this time")
-        parser.add_argument("--until", help="died before this time")
+        parser.add_argument("--job", metavar="JOB_ID", help="only this job's dead runs (job_12 or 12)")
+        parser.add_argument(
+            "--target", metavar="HOST", help="only runs whose target is on HOST (as in the URL, port included)"
+        )
+        parser.add_argument("--since", metavar="T", help="died at or after this time (ISO 8601 UTC)")
+        parser.add_argument("--until", metavar="T", help="died before this time (ISO 8601 UTC)")
         parser.add_argument("--dry-run", action="store_true", help="list what would be requeued, change nothing")
 
     def handle(

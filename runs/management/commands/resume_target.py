@@ -16,7 +16,7 @@ class Command(BaseCommand):
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("host")
+        parser.add_argument("host", metavar="HOST", help="as given to pause_target, like reports.internal:8443")
         parser.add_argument("--dry-run", action="store_true", help="say what would be released, change nothing")
 
     def handle(self, *args: Any, host: str, dry_run: bool, **options: Any) -> None:
