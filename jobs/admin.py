@@ -53,6 +53,7 @@ FORM_TO_API = {
     "retry_cap": "retry.cap",
     "timeout": "timeout",
     "notify": "notify",
+    "notify_on": "notify_on",
     "paused": "paused",
 }
 API_TO_FORM = {api: name for name, api in FORM_TO_API.items()}
@@ -139,6 +140,14 @@ class JobAdminForm(forms.ModelForm):
         help_text="An e-mail address, or an https URL that gets a signed JSON notice, told when a run goes dead "
         "(default: the owner's e-mail).",
     )
+    notify_on = forms.MultipleChoiceField(
+        required=False,
+        choices=[("dead", "dead runs"), ("skipped", "skipped runs")],
+        initial=["dead"],
+        widget=forms.CheckboxSelectMultiple,
+        label="Notify on",
+        help_text="Which runs the notify address is told about (in one digest per few minutes).",
+    )
     paused = forms.BooleanField(required=False)
 
     class Meta:
@@ -174,6 +183,7 @@ class JobAdminForm(forms.ModelForm):
             "retry_cap": retry.get("cap"),
             "timeout": data["timeout"],
             "notify": data["notify"] or "",
+            "notify_on": data["notify_on"],
             "paused": data["paused"],
         }
 
@@ -191,6 +201,8 @@ class JobAdminForm(forms.ModelForm):
                 if not editing and name in ("schedule", "at"):
                     continue  # exactly one of them is given on create
                 value = None if name != "name" else ""
+            elif name == "notify_on":
+                value = list(value or [])
             elif name in ("headers", "payload") and value is None and not editing:
                 continue
             api = FORM_TO_API[name]
@@ -305,7 +317,7 @@ class JobAdmin(admin.ModelAdmin):
                 },
             ),
             ("Target", {"fields": ("target", "method", "headers", secret, "payload")}),
-            ("Execution", {"fields": ("retry_max", "retry_backoff", "retry_base", "retry_cap", "timeout", "notify")}),
+            ("Execution", {"fields": ("retry_max", "retry_backoff", "retry_base", "retry_cap", "timeout", "notify", "notify_on")}),
             *history,
         )
 
@@ -503,9 +515,40 @@ class JobAdmin(admin.ModelAdmin):
         self._report(request, "Deleted", done, skipped)
 
 
+class ServiceAccountForm(forms.ModelForm):
+    notify = forms.CharField(
+        required=False,
+        max_length=2000,
+        strip=False,
+        help_text="Told about dead runs of this service's jobs that have no notify of their own: an e-mail "
+        "address, or an https URL that gets a signed JSON notice. Empty: the account's e-mail.",
+    )
+
+    class Meta:
+        model = ServiceAccount
+        fields = ("notify",)
+
+    def clean_notify(self) -> str:
+        from jobs.validators import validate_notify
+
+        value = self.cleaned_data["notify"]
+        if not value:
+            return ""
+        try:
+            return validate_notify(value)
+        except ValueError as exc:
+            raise forms.ValidationError(f"notify {exc}") from exc
+
+
 @admin.register(ServiceAccount)
 class ServiceAccountAdmin(admin.ModelAdmin):
-    list_display = ("user", "created_at")
+    form = ServiceAccountForm
+    list_display = ("user", "notify", "created_at")
+    fields = ("user", "notify", "created_at")
+    readonly_fields = ("user", "created_at")
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False  # a service account is made by create_service_token
 
 
 @admin.register(ServiceToken)
