@@ -1,0 +1,107 @@
+"""`idempotent_run`: a Django view decorator for targets of the scheduler.
+
+When `RECEIVER_SIGNING_SECRETS` (a list of the service's signing secrets) is
+set, it first checks `X-Signature` (see `verify_signature`) and refuses (401)
+a call that is unsigned, signed with another secret, changed on the way, or
+signed more than `RECEIVER_SIGNATURE_TOLERANCE` seconds (default 300) away from
+now: a replay. Two secrets may be set during a rotation; any match is enough.
+
+Then it reads `Idempotency-Key` and `X-Fence-Token` and, in one database
+transaction with the view's own writes:
+
+- refuses (409) a fence lower than the highest this key has seen: an old
+  lease holder that woke up late;
+- answers a key already applied with the stored answer, without running the
+  view again: a retry after a lost answer;
+- otherwise runs the view, and stores its answer if it is a 2xx.
+
+Because the view runs inside the same transaction as the bookkeeping, its
+database effects and the "applied" mark commit together: the effect happens
+once. Effects outside the database (an e-mail, a call elsewhere) should carry
+the same key onwards.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+from django.conf import settings
+from django.db import transaction
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.utils import timezone
+from django.views.decorators.csrf import csrf_exempt
+
+from receiver.models import Delivery
+from receiver.rules import Seen, check_headers, decide, parse_fence
+from receiver.signing import parse_signature, verify_signature
+
+__all__ = ["idempotent_run", "parse_signature", "verify_signature"]
+
+View = Callable[..., HttpResponse]
+
+
+def _signature_refusal(request: HttpRequest) -> HttpResponse | None:
+    secrets = getattr(settings, "RECEIVER_SIGNING_SECRETS", None) or []
+    if not secrets:
+        return None  # verification is off until the target configures its secrets
+    tolerance = int(getattr(settings, "RECEIVER_SIGNATURE_TOLERANCE", 300))
+    problem = verify_signature(request.headers.get("X-Signature", ""), request.body, secrets, tolerance=tolerance)
+    if problem is None:
+        return None
+    response = JsonResponse({"detail": problem}, status=401)
+    response["WWW-Authenticate"] = 'X-Signature realm="scheduler"'
+    return response
+
+
+def idempotent_run(view: View) -> View:
+    @csrf_exempt
+    @functools.wraps(view)
+    def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        # Before any bookkeeping: a forged call must leave no trace in Delivery either.
+        refusal = _signature_refusal(request)
+        if refusal is not None:
+            return refusal
+        key = request.headers.get("Idempotency-Key", "")
+        problem = check_headers(key, request.headers.get("X-Fence-Token"))
+        if problem is not None:
+            return JsonResponse({"detail": problem}, status=400)
+        fence = parse_fence(request.headers.get("X-Fence-Token"))
+        assert fence is not None
+        with transaction.atomic():
+            return _handle(request, key, fence, view, args, kwargs)
+
+    return wrapper
+
+
+def _handle(request: HttpRequest, key: str, fence: int, view: View, args: Any, kwargs: Any) -> HttpResponse:
+    Delivery.objects.bulk_create([Delivery(key=key)], ignore_conflicts=True)
+    delivery = Delivery.objects.select_for_update().get(key=key)  # one call per key at a time
+    delivery.calls += 1
+    action = decide(Seen(highest_fence=delivery.highest_fence, applied=delivery.applied), fence)
+    if action == "refuse":
+        delivery.save(update_fields=["calls"])
+        return JsonResponse(
+            {"detail": f"fence {fence} is older than {delivery.highest_fence}: refused"}, status=409
+        )
+    delivery.highest_fence = fence
+    if action == "replay":
+        delivery.save(update_fields=["calls", "highest_fence"])
+        return _replay(delivery)
+    sid = transaction.savepoint()
+    response = view(request, *args, **kwargs)
+    if 200 <= response.status_code < 300:
+        transaction.savepoint_commit(sid)
+        delivery.applied, delivery.applied_at = True, timezone.now()
+        delivery.status = response.status_code
+        delivery.body = bytes(getattr(response, "content", b""))
+        delivery.content_type = response.get("Content-Type", "")
+    else:
+        transaction.savepoint_rollback(sid)  # a failed try leaves no effect behind
+    delivery.save()
+    return response
+
+
+def _replay(delivery: Delivery) -> HttpResponse:
+    response = HttpResponse(bytes(delivery.body), status=delivery.status or 200, content_type=delivery.content_type or None)
+    response["Idempotent-Replay"] = "true"
+    return response
