@@ -26,7 +26,10 @@ def test_the_receiver_package_installs_into_a_fresh_virtualenv_and_its_tests_pas
     venv = tmp_path / "venv"
     run([sys.base_prefix + "/bin/python3", "-m", "venv", str(venv)], tmp_path, 60)
     pip = [str(venv / "bin" / "python"), "-m", "pip", "--disable-pip-version-check", "-q"]
-    run([*pip, "wheel", "--no-deps", "-w", str(tmp_path / "dist"), str(PACKAGE)], tmp_path, 120)
+    # Built from a copy: a build leaves build/ and *.egg-info behind in its source.
+    source = tmp_path / "source"
+    shutil.copytree(PACKAGE, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    run([*pip, "wheel", "--no-deps", "-w", str(tmp_path / "dist"), str(source)], tmp_path, 120)
     [wheel] = (tmp_path / "dist").glob("scheduler_receiver-*.whl")
     run([*pip, "install", f"{wheel}[test]"], tmp_path, 180)
 
