@@ -226,3 +226,27 @@ def test_notify_on_is_taken_and_refused_by_the_api(service: Any) -> None:
     assert service.post("/api/jobs/", body).json()["notify_on"] == ["dead"]
     bad = service.post("/api/jobs/", {**body, "notify_on": ["dead", "late"]})
     assert bad.status_code == 400 and "late" in bad.json()["notify_on"][0]
+
+
+@override_settings(SCHEDULER_MISFIRE_GRACE=60, SCHEDULER_MISFIRE_MAX_SKIPPED=5)
+def test_a_misfires_skipped_runs_are_told_in_one_digest_when_the_job_asks(service: Any, webhook: HttpsWebhook) -> None:
+    from jobs.services import job_create
+    from scanners.scan import scan_once
+    from tests.factories import utc
+
+    fields = {"name": "m", "schedule": "* * * * *", "target": "http://127.0.0.1:9/h", "misfire": "skip"}
+    quiet = job_create(owner=service.user, fields=fields, now=utc("2026-10-28T20:29:30Z"))
+    told = job_create(owner=service.user, now=utc("2026-10-28T20:29:30Z"),
+                      fields={**fields, "notify": webhook.url("/skips"), "notify_on": ["dead", "skipped"]})
+
+    scan_once(partitions=frozenset(range(16)), now=utc("2026-10-28T20:40:30Z"), publish=False)
+
+    skipped = set(Run.objects.filter(job=told, status=Run.Status.SKIPPED).values_list("pk", flat=True))
+    assert len(skipped) == 6  # the late run and the 5 latest missed times (SCHEDULER_MISFIRE_MAX_SKIPPED)
+    assert set(Notice.objects.filter(job=told, kind="skipped").values_list("run_id", flat=True)) == skipped
+    assert not Notice.objects.filter(job=quiet).exists()  # notify_on is ["dead"] by default
+    notices.notices_send()
+    [call] = webhook.calls("/skips")
+    body = json.loads(call.body)
+    assert body["count"] == 6 and body["kinds"] == ["skipped"]
+    assert all(n["reason"] == "misfire policy skip" for n in body["notices"])
