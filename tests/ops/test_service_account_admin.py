@@ -1,0 +1,34 @@
+"""A service account's default `notify`, set in the admin: checked like a job's."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from django.test import Client
+
+from jobs.models import ServiceAccount
+from jobs.services import service_account_ensure
+
+pytestmark = pytest.mark.django_db
+
+
+def change(client: Client, service: ServiceAccount, notify: str) -> Any:
+    return client.post(f"/admin/jobs/serviceaccount/{service.pk}/change/", {"notify": notify})
+
+
+@pytest.mark.parametrize("notify", ["oncall@example.test", "https://hooks.example.test/dead"])
+def test_a_service_accounts_default_notify_is_saved_from_the_admin(admin_client: Client, notify: str) -> None:
+    user, _ = service_account_ensure(name="billing")
+    response = change(admin_client, user.service, notify)
+    assert response.status_code == 302, response.content[:2000]
+    assert ServiceAccount.objects.get(user=user).notify == notify
+
+
+@pytest.mark.parametrize("notify", ["http://hooks.example.test/dead", "the billing team", "https://169.254.169.254/"])
+def test_a_bad_default_notify_is_refused_in_words_and_not_saved(admin_client: Client, notify: str) -> None:
+    user, _ = service_account_ensure(name="billing")
+    response = change(admin_client, user.service, notify)
+    assert response.status_code == 200
+    errors = response.context["adminform"].form.errors["notify"]
+    assert errors and errors[0].startswith("notify ")
+    assert ServiceAccount.objects.get(user=user).notify == ""
