@@ -154,7 +154,7 @@ def _send_job(job_id: int, now: datetime, result: SendResult) -> None:
             _failed(rows, to, now, str(exc), final=exc.final, result=result)
             return
         Notice.objects.filter(pk__in=[r.pk for r in rows]).update(
-            status=NS.SENT, sent_at=now, sent_to=to, tries=rows[0].tries + 1, last_error=""
+            status=NS.SENT, sent_at=now, sent_to=to, tries=_tries(rows) + 1, last_error=""
         )
         result.sent.append(job_id)
         logger.info("told %s about %d run(s) of %s", _where(to), len(rows), job.public_id)
@@ -179,8 +179,13 @@ def retry_delay(tries: int, *, rng: random.Random | None = None) -> timedelta:
     return delay * (0.5 + 0.5 * (rng or random).random())
 
 
+def _tries(rows: list[Notice]) -> int:
+    """Tries so far of a digest (rows that came in during a backoff join its count)."""
+    return max(row.tries for row in rows)
+
+
 def _failed(rows: list[Notice], to: str, now: datetime, reason: str, *, final: bool, result: SendResult) -> None:
-    tries = rows[0].tries + 1
+    tries = _tries(rows) + 1
     ids = [r.pk for r in rows]
     if final or tries >= settings.SCHEDULER_NOTIFY_TRIES:
         Notice.objects.filter(pk__in=ids).update(status=NS.FAILED, tries=tries, sent_to=to, last_error=reason[:2000])

@@ -58,6 +58,7 @@ def secret_of(service: Any) -> list[str]:
     return live_secrets(ServiceAccount.objects.get(user=service.user), timezone.now())
 
 
+@pytest.mark.embedded
 def test_a_burst_of_dead_runs_becomes_one_signed_notice_listing_them(service: Any, webhook: HttpsWebhook) -> None:
     job = make_job(service.user, notify=webhook.url("/hook"))
     runs = dead_runs(job, 5)
@@ -91,6 +92,7 @@ def test_dead_runs_inside_the_digest_window_wait_for_one_later_notice(service: A
     assert {n["run"] for n in json.loads(calls[1].body)["notices"]} == {r.public_id for r in later}
 
 
+@pytest.mark.embedded
 def test_a_failing_webhook_is_tried_again_with_backoff_then_delivered(service: Any, webhook: HttpsWebhook) -> None:
     webhook.script("/hook", [503, 503, 200])
     job = make_job(service.user, notify=webhook.url("/hook"))
@@ -114,6 +116,22 @@ def test_a_failing_webhook_is_tried_again_with_backoff_then_delivered(service: A
     assert set(Notice.objects.filter(job=job).values_list("status", "tries")) == {(NS.SENT, 3)}
 
 
+def test_a_dead_run_during_a_backoff_joins_the_retry_instead_of_going_alone(service: Any, webhook: HttpsWebhook) -> None:
+    webhook.script("/hook", [503, 200])
+    job = make_job(service.user, notify=webhook.url("/hook"))
+    dead_runs(job, 1)
+    now = timezone.now()
+    notices.notices_send(now=now)
+    retry_at = Notice.objects.get(job=job).due_at
+    dead_runs(job, 1)  # due at once on its own, but the job's notice is waiting out its backoff
+
+    assert notices.notices_send(now=now + timedelta(seconds=1)).deferred == [job.pk]
+    assert len(webhook.calls("/hook")) == 1
+    assert notices.notices_send(now=retry_at).sent == [job.pk]
+    assert json.loads(webhook.calls("/hook")[1].body)["count"] == 2
+    assert set(Notice.objects.filter(job=job).values_list("status", "tries")) == {(NS.SENT, 2)}
+
+
 def test_a_webhook_answering_a_final_4xx_is_not_tried_again(service: Any, webhook: HttpsWebhook) -> None:
     webhook.script("/hook", [410])
     job = make_job(service.user, notify=webhook.url("/hook"))
@@ -134,6 +152,7 @@ def test_a_webhook_off_the_allow_list_at_send_time_is_refused_without_a_call(
     assert "SCHEDULER_TARGET_ALLOWLIST" in Notice.objects.get(job=job).last_error
 
 
+@pytest.mark.embedded
 def test_a_dead_run_in_the_worker_only_writes_an_outbox_row(
     service: Any, webhook: HttpsWebhook, target: LoopbackTarget
 ) -> None:
