@@ -32,3 +32,15 @@ def test_a_bad_default_notify_is_refused_in_words_and_not_saved(admin_client: Cl
     errors = response.context["adminform"].form.errors["notify"]
     assert errors and errors[0].startswith("notify ")
     assert ServiceAccount.objects.get(user=user).notify == ""
+
+
+def test_create_service_token_sets_the_default_notify_and_refuses_a_bad_one_in_words() -> None:
+    from io import StringIO
+
+    from django.core.management import CommandError, call_command
+
+    call_command("create_service_token", "payments", "--notify", "https://hooks.example.test/dead", stdout=StringIO())
+    assert ServiceAccount.objects.get(user__username="payments").notify == "https://hooks.example.test/dead"
+    with pytest.raises(CommandError, match="^--notify must be an e-mail address or an https URL$"):
+        call_command("create_service_token", "payments", "--notify", "http://hooks.example.test/dead")
+    assert ServiceAccount.objects.get(user__username="payments").notify == "https://hooks.example.test/dead"
