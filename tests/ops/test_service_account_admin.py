@@ -44,3 +44,14 @@ def test_create_service_token_sets_the_default_notify_and_refuses_a_bad_one_in_w
     with pytest.raises(CommandError, match="^--notify must be an e-mail address or an https URL$"):
         call_command("create_service_token", "payments", "--notify", "http://hooks.example.test/dead")
     assert ServiceAccount.objects.get(user__username="payments").notify == "https://hooks.example.test/dead"
+
+
+def test_the_notices_outbox_is_listed_read_only_in_the_admin(admin_client: Client) -> None:
+    from runs.notices import notice_add
+    from tests.factories import make_job
+
+    job = make_job(notify="oncall@example.test")
+    notice_add(job=job, kind="paused", reason="5 dead runs in a row")
+    listing = admin_client.get("/admin/runs/notice/")
+    assert listing.status_code == 200 and b"paused" in listing.content and b"pending" in listing.content
+    assert admin_client.get("/admin/runs/notice/add/").status_code == 403
