@@ -269,3 +269,15 @@ def test_a_misfires_skipped_runs_are_told_in_one_digest_when_the_job_asks(servic
     body = json.loads(call.body)
     assert body["count"] == 6 and body["kinds"] == ["skipped"]
     assert all(n["reason"] == "misfire policy skip" for n in body["notices"])
+
+
+def test_metrics_show_the_notices_waiting_and_given_up_on(service: Any, webhook: HttpsWebhook) -> None:
+    from runs.metrics import render_metrics
+
+    webhook.script("/gone", [410])
+    dead_runs(make_job(service.user, notify=webhook.url("/hook")), 2)
+    dead_runs(make_job(service.user, notify=webhook.url("/gone")), 1)
+    assert "scheduler_notices_pending 3" in render_metrics()
+    notices.notices_send()
+    text = render_metrics()
+    assert "scheduler_notices_pending 0" in text and "scheduler_notices_failed 1" in text
