@@ -59,6 +59,7 @@ FORM_TO_API = {
     "retry_cap": "retry.cap",
     "timeout": "timeout",
     "notify": "notify",
+    "notify_on": "notify_on",
     "paused": "paused",
 }
 API_TO_FORM = {api: name for name, api in FORM_TO_API.items()}
@@ -158,6 +159,14 @@ class JobAdminForm(forms.ModelForm):
         help_text="An e-mail address, or an https URL that gets a signed JSON notice, told when a run goes dead "
         "(default: the owner's e-mail).",
     )
+    notify_on = forms.MultipleChoiceField(
+        required=False,
+        choices=[("dead", "dead runs"), ("skipped", "skipped runs")],
+        initial=["dead"],
+        widget=forms.CheckboxSelectMultiple,
+        label="Notify on",
+        help_text="Which runs the notify address is told about (in one digest per few minutes).",
+    )
     paused = forms.BooleanField(required=False)
 
     class Meta:
@@ -197,6 +206,7 @@ class JobAdminForm(forms.ModelForm):
             "retry_cap": retry.get("cap"),
             "timeout": data["timeout"],
             "notify": data["notify"] or "",
+            "notify_on": data["notify_on"],
             "paused": data["paused"],
         }
 
@@ -224,6 +234,8 @@ class JobAdminForm(forms.ModelForm):
                 if not editing and name in ("schedule", "at"):
                     continue  # exactly one of them is given on create
                 value = None if name != "name" else ""
+            elif name == "notify_on":
+                value = list(value or [])
             elif name in ("headers", "payload") and value is None and not editing:
                 continue
             api = FORM_TO_API[name]
@@ -358,7 +370,8 @@ class JobAdmin(admin.ModelAdmin):
             ),
             ("Target", {"fields": ("target", "method", "headers", secret, "payload", "task", "args", "kwargs",
                                    "queue")}),
-            ("Execution", {"fields": ("retry_max", "retry_backoff", "retry_base", "retry_cap", "timeout", "notify")}),
+            ("Execution", {"fields": ("retry_max", "retry_backoff", "retry_base", "retry_cap", "timeout", "notify",
+                                      "notify_on")}),
             *history,
         )
 
@@ -611,23 +624,39 @@ class ServiceAccountForm(forms.ModelForm):
         "billing. grants billing.tasks.sync (not billingx.run); billing grants billing and billing.* "
         "(grant_tasks NAME PREFIX... does the same).",
     )
+    notify = forms.CharField(
+        required=False,
+        max_length=2000,
+        strip=False,
+        help_text="Told about dead runs of this service's jobs that have no notify of their own: an e-mail "
+        "address, or an https URL that gets a signed JSON notice. Empty: the account's e-mail.",
+    )
 
     class Meta:
         model = ServiceAccount
-        fields = ("user", "task_prefixes")
+        fields = ("task_prefixes", "notify")
+
+    def clean_notify(self) -> str:
+        from jobs.validators import validate_notify
+
+        value = self.cleaned_data["notify"]
+        if not value:
+            return ""
+        try:
+            return validate_notify(value)
+        except ValueError as exc:
+            raise forms.ValidationError(f"notify {exc}") from exc
 
 
 @admin.register(ServiceAccount)
 class ServiceAccountAdmin(admin.ModelAdmin):
     form = ServiceAccountForm
-    list_display = ("user", "granted_tasks", "created_at")
-    readonly_fields = ("created_at",)
+    list_display = ("user", "granted_tasks", "notify", "created_at")
+    fields = ("user", "task_prefixes", "notify", "created_at")
+    readonly_fields = ("user", "created_at")
 
-    def get_fields(self, request: HttpRequest, obj: ServiceAccount | None = None) -> Any:
-        return ("user", "task_prefixes", "created_at") if obj else ("user", "task_prefixes")
-
-    def get_readonly_fields(self, request: HttpRequest, obj: ServiceAccount | None = None) -> Any:
-        return ("user", "created_at") if obj else ()
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False  # a service account is made by create_service_token
 
     @admin.display(description="task prefixes")
     def granted_tasks(self, account: ServiceAccount) -> str:

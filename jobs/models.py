@@ -16,9 +16,20 @@ class ServiceAccount(models.Model):
     # "billing." grants billing.tasks.sync; "billing" grants billing and billing.*
     # (jobs.validators.task_name_granted). Empty: no task at all.
     task_prefixes = models.JSONField(default=list, blank=True)
+    # Who is told about its jobs' dead (and skipped) runs when a job has no `notify`
+    # of its own: an e-mail address or an https URL (jobs.validators.validate_notify).
+    # Blank: the account's e-mail (runs.notices.recipients).
+    notify = models.CharField(max_length=2000, blank=True)
 
     def __str__(self) -> str:
         return self.user.username
+
+
+NOTIFY_ON_CHOICES = ("dead", "skipped")
+
+
+def default_notify_on() -> list[str]:
+    return ["dead"]
 
 
 class Job(models.Model):
@@ -66,6 +77,8 @@ class Job(models.Model):
     # An e-mail address (at most 254 characters) or an https URL (at most 2000, like
     # `target`): jobs.validators.validate_notify keeps values inside the column.
     notify = models.CharField(max_length=2000, blank=True)
+    # Which runs the owner is told about: "dead" (the default), and "skipped" if asked.
+    notify_on = models.JSONField(default=default_notify_on, blank=True)
     paused = models.BooleanField(default=False)
     state = models.CharField(max_length=16, choices=State.choices, default=State.ACTIVE)
     created_at = models.DateTimeField(auto_now_add=True)

@@ -38,6 +38,7 @@ from jobs.validators import (
     validate_min_interval,
     validate_notify,
     validate_queue,
+    validate_notify_on,
     validate_target,
     validate_task_name,
 )
@@ -145,6 +146,23 @@ class NotifyField(serializers.CharField):
 
     def to_representation(self, value: str) -> str | None:
         return value or None
+
+
+@extend_schema_field({
+    "type": "array", "items": {"type": "string", "enum": ["dead", "skipped"]}, "uniqueItems": True,
+    "example": ["dead", "skipped"],
+})
+class NotifyOnField(serializers.Field):
+    """`notify_on`: a list of "dead" and "skipped" (jobs.validators.validate_notify_on)."""
+
+    def to_internal_value(self, data: Any) -> list[str]:
+        try:
+            return validate_notify_on(data)
+        except ValueError as exc:
+            raise ValidationError(str(exc)) from exc
+
+    def to_representation(self, value: list[str]) -> list[str]:
+        return list(value or [])
 
 
 def _header_problems(name: Any, value: Any) -> list[str]:
@@ -473,6 +491,10 @@ class JobSerializer(StrictFieldsMixin, serializers.Serializer):
         allow_blank=True,
         max_length=2000,
         help_text="An e-mail address, or an https URL that receives a signed JSON notice.",
+    )
+    notify_on = NotifyOnField(
+        required=False,
+        help_text='Which runs `notify` is told about: ["dead"] (the default), or ["dead", "skipped"].',
     )
     paused = serializers.BooleanField(required=False)
     state = serializers.ChoiceField(choices=Job.State.choices, read_only=True)

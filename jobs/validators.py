@@ -254,6 +254,21 @@ def validate_notify(value: str) -> str:
     return value
 
 
+def validate_notify_on(value: object) -> list[str]:
+    """`notify_on`: which runs the owner is told about, a list of "dead" and "skipped"
+    (each at most once; an empty list tells about none)."""
+    from jobs.models import NOTIFY_ON_CHOICES
+
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise ValueError('must be a list like ["dead", "skipped"]')
+    for item in value:
+        if item not in NOTIFY_ON_CHOICES:
+            raise ValueError(f'cannot hold {item!r}: the choices are "dead" and "skipped"')
+    if len(set(value)) != len(value):
+        raise ValueError("names a kind twice")
+    return [kind for kind in NOTIFY_ON_CHOICES if kind in value]
+
+
 def check_resolved_target(url: str) -> list[str]:
     """At call time: resolve the target's name once and check every address it has.
 

@@ -24,7 +24,7 @@ from django.views.decorators.http import require_POST
 from jobs.public_ids import parse_id
 from jobs.validators import target_key
 from runs import metrics, ops
-from runs.models import PausedTarget, Run, RunEvent
+from runs.models import Notice, PausedTarget, Run, RunEvent
 
 S = Run.Status
 
@@ -314,3 +314,22 @@ class PausedTargetAdmin(admin.ModelAdmin):
     def delete_queryset(self, request: HttpRequest, queryset: QuerySet[PausedTarget]) -> None:
         for target in queryset:
             self.delete_model(request, target)
+
+
+@admin.register(Notice)
+class NoticeAdmin(admin.ModelAdmin):
+    """The notices outbox, read-only: what owners were told, what waits, what failed and why."""
+
+    list_display = ("id", "job", "kind", "run", "status", "tries", "due_at", "sent_at", "sent_to", "last_error")
+    list_filter = ("status", "kind")
+    search_fields = ("=job__id", "sent_to")
+    list_select_related = ("job", "run")
+    ordering = ("-id",)
+    fields = readonly_fields = ("job", "run", "kind", "reason", "created_at", "status", "due_at", "tries",
+                                "sent_at", "sent_to", "last_error")
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False

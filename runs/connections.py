@@ -22,6 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import certifi
+from django.conf import settings
 from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.exceptions import NewConnectionError
 from urllib3.util.wait import wait_for_read
@@ -42,10 +43,13 @@ _tls = threading.local()
 
 def _tls_context() -> ssl.SSLContext:
     """One verifying context per thread: made once, not per connection."""
+    extra = settings.SCHEDULER_TLS_CA_FILE
     context = getattr(_tls, "context", None)
-    if context is None:
+    if context is None or getattr(_tls, "extra", None) != extra:
         context = ssl.create_default_context(cafile=certifi.where())
-        _tls.context = context
+        if extra:  # an internal CA, trusted besides certifi's
+            context.load_verify_locations(cafile=extra)
+        _tls.context, _tls.extra = context, extra
     return context
 
 

@@ -349,8 +349,23 @@ def render_metrics(now: datetime | None = None) -> str:
         metric = f"scheduler_runs_{key}" if key != "queued" else "scheduler_queue_depth"
         out += _header(metric, "gauge", text) + [_line(metric, getattr(queue, key))]
     out += _target_lines(now)
+    out += _notice_lines()
     out += _scanner_lines()
     return "\n".join(out) + "\n"
+
+
+def _notice_lines() -> list[str]:
+    """The notices outbox (runs.notices): waiting to go out, and given up on."""
+    from runs.models import Notice
+
+    counts = dict(Notice.objects.filter(status__in=["pending", "failed"]).order_by().values_list("status")
+                  .annotate(n=Count("id")).values_list("status", "n"))
+    out: list[str] = []
+    for status, text in (("pending", "Notices waiting to be sent (digest window, backoff)."),
+                         ("failed", "Notices given up on: out of tries, refused, or nowhere to send.")):
+        name = f"scheduler_notices_{status}"
+        out += _header(name, "gauge", text) + [_line(name, counts.get(status, 0))]
+    return out
 
 
 def _target_lines(now: datetime) -> list[str]:

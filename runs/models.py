@@ -202,3 +202,42 @@ class BreakerTransition(models.Model):
 
     def __str__(self) -> str:
         return f"{self.at:%Y-%m-%dT%H:%M:%SZ} {self.state}"
+
+
+class Notice(models.Model):
+    """The notices outbox (runs.notices): a row is written in the transaction that
+    makes a run dead or skipped (or pauses a job), and sent afterwards, one digest
+    per job, by runs.notices.notices_send. A worker only ever inserts rows here."""
+
+    class Kind(models.TextChoices):
+        DEAD = "dead"
+        SKIPPED = "skipped"
+        PAUSED = "paused"
+
+    class Status(models.TextChoices):
+        PENDING = "pending"
+        SENT = "sent"
+        FAILED = "failed"  # out of tries, refused, or nowhere to send: last_error says which
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="notices")
+    run = models.ForeignKey(Run, null=True, blank=True, on_delete=models.CASCADE, related_name="notices")
+    kind = models.CharField(max_length=16, choices=Kind.choices)
+    reason = models.TextField(blank=True)
+    created_at = models.DateTimeField()
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
+    # The earliest it may go out: at once, the end of the job's digest window, or a retry's time.
+    due_at = models.DateTimeField()
+    tries = models.PositiveIntegerField(default=0)
+    sent_at = models.DateTimeField(null=True, blank=True)
+    sent_to = models.CharField(max_length=2000, blank=True)
+    last_error = models.TextField(blank=True)
+
+    class Meta:
+        db_table = "notices"
+        indexes = [
+            models.Index(fields=["due_at"], condition=models.Q(status="pending"), name="notices_due_idx"),
+            models.Index(fields=["job", "status"], name="notices_job_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.kind} notice {self.pk} of {self.job.public_id}"

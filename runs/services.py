@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.core.mail import send_mail
 from django.db import DatabaseError, InterfaceError, OperationalError, connection, transaction
 from django.db.models import Max, Q
 from django.utils import timezone
@@ -23,7 +22,7 @@ from django.utils import timezone
 from jobs import schedule
 from jobs.models import Job
 from jobs.validators import check_resolved_target, target_key
-from runs import breakers, bulk, bulkhead, claims, delivery, events, publishing
+from runs import breakers, bulk, bulkhead, claims, delivery, events, notices, publishing
 from runs.claims import Claim
 from runs.delivery import CallResult
 from runs.models import Run
@@ -710,6 +709,8 @@ def _record_outcomes(calls: list[Call]) -> dict[int, str]:
         new_runs, scheduled = job_next_runs(jobs=[r.job for r in ended if not r.is_backfill], now=now)
         found += scheduled
         outcomes: dict[int, str] = {}
+        told: dict[int, str] = {}
+        dead_notices: list[notices.Notice | None] = []
         for call, outcome, reason in decided:
             run, claim = call.run, call.claim
             if call.result is not None:
@@ -732,12 +733,15 @@ def _record_outcomes(calls: list[Call]) -> dict[int, str]:
                 found.append(events.event(run.pk, "cancelled", now, reason="job deleted", fence=claim.fence))
                 outcomes[run.pk] = "cancelled"
             else:
-                recipient = run.job.notify or run.job.owner.email
-                found.append(events.event(run.pk, "dead", now, reason=reason, notified=recipient, fence=claim.fence,
-                                          **then))
+                told = told or notices.recipients([c.run.job for c in calls])
+                found.append(events.event(run.pk, "dead", now, reason=reason, notified=told[run.job_id],
+                                          fence=claim.fence, **then))
                 outcomes[run.pk] = "dead"
+                # The owner is told through the outbox, in this transaction; sent later (runs.notices).
+                dead_notices.append(notices.notice_row(job=run.job, kind="dead", run=run, reason=reason, now=now))
                 transaction.on_commit(lambda pk=run.pk, why=reason: notify_dead(run_id=pk, reason=why))
         events.record_many(found)
+        notices.notices_add(dead_notices)
     return outcomes
 
 
@@ -759,22 +763,10 @@ def paused_target_hosts(hosts: set[str]) -> set[str]:
 
 
 def notify_dead(*, run_id: int, reason: str) -> None:
-    """Tell the job's owner: a signal for code, a log line, and an e-mail when there is an address."""
+    """After a run went dead (on commit): a log line and a signal for code. The owner
+    is told by a notice (e-mail or webhook) that the dead write put in the outbox in
+    its own transaction (runs.notices.notice_add); it is sent, digested, by
+    runs.notices.notices_send, never by the worker that wrote it."""
     run = Run.objects.select_related("job__owner").get(pk=run_id)
-    job = run.job
-    logger.warning("run %s of %s is dead: %s", run.public_id, job.public_id, reason)
+    logger.warning("run %s of %s is dead: %s", run.public_id, run.job.public_id, reason)
     run_dead.send(sender=Run, run=run, reason=reason)
-    recipient = job.notify or job.owner.email
-    # `notify` may also be an https URL (a webhook); only an address gets an e-mail.
-    if recipient and "@" in recipient and not recipient.startswith("https://"):
-        send_mail(
-            subject=f"[scheduler] {job.name or job.public_id}: run {run.public_id} is dead",
-            message=(
-                f"Run {run.public_id} of job {job.public_id} ({job.name}) scheduled for "
-                f"{delivery.iso_z(run.scheduled_for)} is on the dead list after {run.attempt} attempt(s).\n\n"
-                f"Reason: {reason}\nTarget: {job.target or f'Celery task {job.task} on queue {job.queue}'}\n"
-            ),
-            from_email=None,
-            recipient_list=[recipient],
-            fail_silently=True,
-        )

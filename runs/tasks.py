@@ -24,3 +24,11 @@ def execute_runs(self: Task, run_ids: list[int]) -> dict[int, str]:
 def execute_run(self: Task, run_id: int) -> str:
     """One run: messages published before batches existed still run."""
     return run_execute_many(run_ids=[int(run_id)], worker=_worker(self))[int(run_id)]
+
+
+@shared_task(name="runs.send_notices", ignore_result=True)
+def send_notices() -> int:
+    """Notices that are due (runs.notices): the scanner holding partition 0 publishes this."""
+    from runs.notices import notices_send
+
+    return len(notices_send().sent)

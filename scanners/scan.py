@@ -16,7 +16,7 @@ from django.db import InterfaceError, OperationalError, transaction
 
 from jobs import schedule
 from jobs.models import Job
-from runs import claims, events
+from runs import claims, events, notices
 from jobs.validators import target_key
 from runs.delivery import iso_z
 from runs.models import Run
@@ -264,8 +264,9 @@ def _set_aside(run: Run, now: datetime, exc: Exception, result: ScanResult) -> N
     then = _next_after_set_aside(run, job, now)
     events.record_many([
         events.event(run.pk, "scan_error", now, reason=why),
-        events.event(run.pk, "dead", now, reason=reason, notified=job.notify or job.owner.email, **then),
+        events.event(run.pk, "dead", now, reason=reason, notified=notices.recipient(job), **then),
     ])
+    notices.notice_add(job=job, kind="dead", run=run, reason=reason, now=now)
     transaction.on_commit(lambda pk=run.pk, why=reason: notify_dead(run_id=pk, reason=why))
     result.set_aside.append(run.pk)
 
@@ -328,6 +329,7 @@ def _misfire(run: Run, now: datetime, result: ScanResult) -> bool:
     else:
         Run.objects.filter(pk=run.pk, status=S.SCHEDULED).update(status=S.SKIPPED, finished_at=now)
         found.append(events.event(run.pk, "skipped", now, reason=f"misfire policy {job.misfire}"))
+        notices.notice_add(job=job, kind="skipped", run=run, reason=f"misfire policy {job.misfire}", now=now)
         result.skipped += 1
     events.record_many(found)
     _skip_times(job, decision.skipped_times, now, result)
@@ -376,6 +378,10 @@ def _skip_times(job: Job, times: list[datetime], now: datetime, result: ScanResu
     if created and created[0].pk is None:  # backends without RETURNING on bulk insert
         created = list(Run.objects.filter(job=job, scheduled_for__in=[r.scheduled_for for r in rows]))
     events.record_many(events.event(r.pk, "skipped", now, reason=f"misfire policy {job.misfire}") for r in created)
+    notices.notices_add(
+        notices.notice_row(job=job, kind="skipped", run=r, reason=f"misfire policy {job.misfire}", now=now)
+        for r in created
+    )
     result.skipped += len(created)
 
 

@@ -364,8 +364,70 @@ SCHEDULER_METRICS_TOKEN = env_str("SCHEDULER_METRICS_TOKEN")
 RECEIVER_SIGNING_SECRETS = env_list("RECEIVER_SIGNING_SECRETS")
 RECEIVER_SIGNATURE_TOLERANCE = env_int("RECEIVER_SIGNATURE_TOLERANCE", 300)
 
-EMAIL_BACKEND = env_str("EMAIL_BACKEND", "django.core.mail.backends.console.EmailBackend")
+
+
+def email_settings(url: str) -> dict[str, object]:
+    """EMAIL_URL -> Django's EMAIL_* settings.
+
+        smtp://user:pass@host:587          plain SMTP (port 25 by default)
+        smtp://user:pass@host:587?tls=1    STARTTLS after connecting
+        smtps://user:pass@host             TLS from the first byte (port 465 by default)
+        ...?timeout=10                     seconds per SMTP operation (default 10)
+
+    The user and password are percent-decoded (`p%40ss` is `p@ss`). Hand-written
+    (urllib.parse): dj-email-url reads `smtps://` as STARTTLS and deprecates it.
+    """
+    from urllib.parse import parse_qs, unquote, urlsplit
+
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in ("smtp", "smtps"):
+        raise ImproperlyConfigured(f"EMAIL_URL must start with smtp:// or smtps://, not {scheme or 'nothing'}://")
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise ImproperlyConfigured("EMAIL_URL has a port that is not a number from 1 to 65535") from exc
+    if not parts.hostname:
+        raise ImproperlyConfigured("EMAIL_URL names no host, e.g. smtp://user:pass@mail.internal:587")
+    query = {key.lower(): values[-1].strip().lower() for key, values in parse_qs(parts.query).items()}
+    for key in query:
+        if key not in ("tls", "timeout"):
+            raise ImproperlyConfigured(f"EMAIL_URL has an unknown option {key!r}: only tls and timeout are read")
+    tls = query.get("tls", "0") in ("1", "true", "yes", "on")
+    timeout = query.get("timeout", "10")
+    if not timeout.isdigit() or int(timeout) < 1:
+        raise ImproperlyConfigured("EMAIL_URL's timeout must be a whole number of seconds, at least 1")
+    return {
+        "EMAIL_BACKEND": "django.core.mail.backends.smtp.EmailBackend",
+        "EMAIL_HOST": parts.hostname,
+        "EMAIL_PORT": port or (465 if scheme == "smtps" else 25),
+        "EMAIL_HOST_USER": unquote(parts.username or ""),
+        "EMAIL_HOST_PASSWORD": unquote(parts.password or ""),
+        "EMAIL_USE_SSL": scheme == "smtps",
+        "EMAIL_USE_TLS": scheme == "smtp" and tls,
+        "EMAIL_TIMEOUT": int(timeout),
+    }
+
+
+# Dead-run (and skipped-run) notices by e-mail: on when EMAIL_URL (or, as before,
+# EMAIL_BACKEND) is set; off otherwise, and an e-mail notice is only logged.
+EMAIL_URL = env_str("EMAIL_URL")
+if EMAIL_URL:
+    globals().update(email_settings(EMAIL_URL))
+else:
+    EMAIL_BACKEND = env_str("EMAIL_BACKEND", "django.core.mail.backends.console.EmailBackend")
+SCHEDULER_EMAIL_ENABLED = bool(EMAIL_URL or env_str("EMAIL_BACKEND"))
 DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "scheduler@localhost")
+# Notices (runs.notices): one per job per SCHEDULER_NOTIFY_DIGEST at most, listing
+# the runs since the last one; a notice that fails is tried again with backoff
+# (from SCHEDULER_NOTIFY_RETRY_BASE, doubling, up to 1h) SCHEDULER_NOTIFY_TRIES times.
+SCHEDULER_NOTIFY_DIGEST = env_str("SCHEDULER_NOTIFY_DIGEST", "5m")
+SCHEDULER_NOTIFY_RETRY_BASE = env_str("SCHEDULER_NOTIFY_RETRY_BASE", "30s")
+SCHEDULER_NOTIFY_TRIES = env_int("SCHEDULER_NOTIFY_TRIES", 10)
+SCHEDULER_NOTIFY_TIMEOUT = env_int("SCHEDULER_NOTIFY_TIMEOUT", 10)
+# Extra CA certificates (a PEM file) trusted for https targets and webhooks, besides
+# certifi's: an internal CA. Unset: certifi's only.
+SCHEDULER_TLS_CA_FILE = env_str("SCHEDULER_TLS_CA_FILE")
 
 LOGGING = {
     "version": 1,

@@ -8,12 +8,14 @@ from typing import Any
 import pytest
 from django.core import mail
 from django.db import transaction
+from django.test import override_settings
 from django.utils import timezone
 
 from jobs.models import Job
 from jobs.services import job_create
 from runs import claims
-from runs.models import Run
+from runs.models import Notice, Run
+from runs.notices import notices_send
 from runs.services import run_execute
 from runs.signals import run_dead
 from tests.factories import expire_lease, make_job, make_run
@@ -105,6 +107,10 @@ def test_a_400_sends_the_run_to_the_dead_list_at_once_and_tells_the_owner(servic
     run.refresh_from_db()
     assert run.status == S.DEAD and "HTTP 400" in run.last_error
     assert told and "HTTP 400" in told[0]
+    # The worker only wrote the notice to the outbox; the sender e-mails it.
+    assert mail.outbox == [] and Notice.objects.get(run=run).status == Notice.Status.PENDING
+    with override_settings(SCHEDULER_EMAIL_ENABLED=True):
+        notices_send()
     assert len(mail.outbox) == 1 and mail.outbox[0].to == ["reports@example.test"]
     dead = run.events.get(type="dead")
     assert dead.detail["notified"] == "reports@example.test"

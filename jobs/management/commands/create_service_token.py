@@ -10,6 +10,7 @@ from jobs.audit import audit_record
 from jobs.models import ServiceAccount
 from jobs.services import service_account_ensure
 from jobs.tokens import PREFIX_LENGTH
+from jobs.validators import validate_notify
 
 
 class Command(BaseCommand):
@@ -21,16 +22,27 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("name", metavar="NAME", help="the service account (made if it does not exist)")
-        parser.add_argument("--email", default="", help="where dead-run notices go by default")
+        parser.add_argument("--email", default="", help="the account's e-mail: where notices go if nothing else is set")
+        parser.add_argument(
+            "--notify", default=None,
+            help="the service's default notify for its jobs: an e-mail address or an https URL (a signed webhook)",
+        )
 
-    def handle(self, *args: Any, name: str, email: str, **options: Any) -> None:
+    def handle(self, *args: Any, name: str, email: str, notify: str | None, **options: Any) -> None:
         name = name.strip()
         if not name or len(name) > 150 or any(c.isspace() for c in name):
             raise CommandError("NAME must be 1 to 150 characters with no spaces")
+        if notify:
+            try:
+                notify = validate_notify(notify)
+            except ValueError as exc:
+                raise CommandError(f"--notify {exc}") from exc
         existed = ServiceAccount.objects.filter(user__username=name).exists()
         try:
             with transaction.atomic():
                 user, token = service_account_ensure(name=name, email=email)
+                if notify is not None:
+                    ServiceAccount.objects.filter(user=user).update(notify=notify)
                 if not existed:
                     audit_record(actor=None, via="command", action="created", obj=user)
                 audit_record(

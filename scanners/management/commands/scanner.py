@@ -12,9 +12,12 @@ from django.core.management.base import BaseCommand, CommandParser
 from django.db import close_old_connections
 
 from scanners.coordination import PartitionLeases, make_leases
+from runs.notices import notices_due
+from runs.tasks import send_notices
 from scanners.scan import ScanResult, scan_once
 
 logger = logging.getLogger("scheduler.scanner")
+NOTICE_CHECK_SECONDS = 5.0
 
 
 class Command(BaseCommand):
@@ -68,7 +71,21 @@ class Command(BaseCommand):
             logger.exception("scan failed")
             return owned
         self._report(result)
+        self.notices_tick(owned)
         return owned
+
+    def notices_tick(self, owned: frozenset[int]) -> None:
+        """Every NOTICE_CHECK_SECONDS, the scanner holding partition 0 (one scanner,
+        with no more coordination) publishes the notice sender when notices are due.
+        It never sends them itself: a slow webhook must not hold up a scan."""
+        if 0 not in owned or time.monotonic() < getattr(self, "_notices_next", 0.0):
+            return
+        self._notices_next = time.monotonic() + NOTICE_CHECK_SECONDS
+        try:
+            if notices_due():
+                send_notices.delay()
+        except Exception:  # the broker or the store is down: next time
+            logger.exception("notices check failed")
 
     def _report(self, result: ScanResult) -> None:
         if result.to_publish or result.misfired or result.set_aside:

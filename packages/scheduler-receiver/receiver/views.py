@@ -23,10 +23,6 @@ the same key onwards.
 from __future__ import annotations
 
 import functools
-import hashlib
-import hmac
-import time
-from collections.abc import Sequence
 from typing import Any, Callable
 
 from django.conf import settings
@@ -36,48 +32,12 @@ from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 
 from receiver.models import Delivery
+from receiver.rules import Seen, check_headers, decide, parse_fence
+from receiver.signing import parse_signature, verify_signature
+
+__all__ = ["idempotent_run", "parse_signature", "verify_signature"]
 
 View = Callable[..., HttpResponse]
-
-
-def _fence(request: HttpRequest) -> int | None:
-    raw = request.headers.get("X-Fence-Token", "")
-    return int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 18 else None
-
-
-def parse_signature(header: str) -> tuple[int | None, list[str]]:
-    """`t=1793219401,v1=5f0c...,v1=...` -> (1793219401, ["5f0c...", ...]).
-    Unknown keys are ignored (room for a later scheme); a bad t is None."""
-    t: int | None = None
-    macs: list[str] = []
-    for part in header.split(","):
-        key, _, value = part.strip().partition("=")
-        if key == "t" and value.isascii() and value.isdigit() and len(value) <= 12:
-            t = int(value)
-        elif key == "v1" and value:
-            macs.append(value)
-    return t, macs
-
-
-def verify_signature(
-    header: str, body: bytes, secrets: Sequence[str], *, tolerance: int, now: float | None = None
-) -> str | None:
-    """None when `header` is a valid X-Signature of `body` under any of `secrets`;
-    otherwise why not, in words."""
-    if not header:
-        return "X-Signature is missing"
-    t, macs = parse_signature(header)
-    if t is None or not macs:
-        return "X-Signature is malformed: expected t=<unix seconds>,v1=<hex>"
-    age = (time.time() if now is None else now) - t
-    if abs(age) > tolerance:
-        return f"X-Signature was made {int(age)}s from now; more than {tolerance}s is refused as a replay"
-    signed = str(t).encode() + b"." + body
-    for secret in secrets:
-        expected = hmac.new(secret.encode(), signed, hashlib.sha256).hexdigest()
-        if any(hmac.compare_digest(expected, mac) for mac in macs):
-            return None
-    return "X-Signature does not match the body under any configured secret"
 
 
 def _signature_refusal(request: HttpRequest) -> HttpResponse | None:
@@ -102,9 +62,11 @@ def idempotent_run(view: View) -> View:
         if refusal is not None:
             return refusal
         key = request.headers.get("Idempotency-Key", "")
-        fence = _fence(request)
-        if not key or len(key) > 200 or fence is None:
-            return JsonResponse({"detail": "Idempotency-Key and a numeric X-Fence-Token are required"}, status=400)
+        problem = check_headers(key, request.headers.get("X-Fence-Token"))
+        if problem is not None:
+            return JsonResponse({"detail": problem}, status=400)
+        fence = parse_fence(request.headers.get("X-Fence-Token"))
+        assert fence is not None
         with transaction.atomic():
             return _handle(request, key, fence, view, args, kwargs)
 
@@ -123,11 +85,12 @@ def delivery_admit(key: str, fence: int) -> tuple[Delivery, str]:
     Delivery.objects.bulk_create([Delivery(key=key)], ignore_conflicts=True)
     delivery = Delivery.objects.select_for_update().get(key=key)
     delivery.calls += 1
-    if fence < delivery.highest_fence:
+    action = decide(Seen(highest_fence=delivery.highest_fence, applied=delivery.applied), fence)
+    if action == "refuse":
         delivery.save(update_fields=["calls"])
         return delivery, STALE
     delivery.highest_fence = fence
-    if delivery.applied:
+    if action == "replay":
         delivery.save(update_fields=["calls", "highest_fence"])
         return delivery, REPLAY
     return delivery, APPLY

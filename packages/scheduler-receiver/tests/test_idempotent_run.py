@@ -11,7 +11,7 @@ from django.test import RequestFactory
 from receiver.models import Delivery
 from receiver.views import idempotent_run
 
-pytestmark = [pytest.mark.django_db, pytest.mark.embedded]
+pytestmark = pytest.mark.django_db
 KEY = "job_7@2026-10-28T20:30:00Z"
 
 
