@@ -268,8 +268,8 @@ def _email(job: Job, rows: list[Notice], address: str, now: datetime) -> None:
         raise NoticeFailed("e-mail is off: set EMAIL_URL", final=True)
     dead = sum(1 for row in rows if row.kind == K.DEAD)
     what = f"{dead} dead run(s)" if dead == len(rows) else f"{len(rows)} notice(s)"
-    what = f"target {job.target}" if job.target else f"Celery task {job.task} on queue {job.queue}"
-    lines = [f"Job {job.public_id} ({job.name or 'no name'}), {what}:", ""]
+    calls = f"target {job.target}" if job.target else f"Celery task {job.task} on queue {job.queue}"
+    lines = [f"Job {job.public_id} ({job.name or 'no name'}), {calls}:", ""]
     for row in rows[:LISTED]:
         run = row.run
         about = f"run {run.public_id} scheduled for {delivery.iso_z(run.scheduled_for)}" if run else "the job"
