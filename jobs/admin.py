@@ -42,6 +42,7 @@ FORM_TO_API = {
     "timezone": "timezone",
     "window": "window",
     "misfire": "misfire",
+    "overlap": "overlap",
     "target": "target",
     "method": "method",
     "headers": "headers",
@@ -53,7 +54,9 @@ FORM_TO_API = {
     "retry_cap": "retry.cap",
     "timeout": "timeout",
     "notify": "notify",
+    "pause_after_failures": "pause_after_failures",
     "paused": "paused",
+    "paused_until": "paused_until",
 }
 API_TO_FORM = {api: name for name, api in FORM_TO_API.items()}
 
@@ -115,6 +118,12 @@ class JobAdminForm(forms.ModelForm):
     timezone = forms.CharField(initial="UTC", max_length=64, help_text="An IANA name, like Asia/Kolkata.")
     window = forms.CharField(initial="0s", help_text='The run may start up to this long after its time ("5m").')
     misfire = forms.ChoiceField(choices=Job.Misfire.choices, initial=Job.Misfire.RUN_ONCE)
+    overlap = forms.ChoiceField(
+        choices=Job.Overlap.choices,
+        initial=Job.Overlap.SKIP,
+        help_text="A time that passes while the job's run is in flight: skip it (a skipped run, reason overlap), "
+        "or buffer_one (the latest such time runs as soon as the run ends).",
+    )
     target = forms.CharField(max_length=2000, strip=False, help_text="An http(s) URL, checked as typed.")
     method = forms.ChoiceField(choices=[(m, m) for m in METHODS], initial="POST")
     headers = forms.JSONField(
@@ -139,7 +148,19 @@ class JobAdminForm(forms.ModelForm):
         help_text="An e-mail address, or an https URL that gets a signed JSON notice, told when a run goes dead "
         "(default: the owner's e-mail).",
     )
+    pause_after_failures = forms.IntegerField(
+        initial=0,
+        min_value=0,
+        label="Pause after failures",
+        help_text="After this many runs in a row end dead, the job pauses itself and its owner is told (0: never).",
+    )
     paused = forms.BooleanField(required=False)
+    paused_until = forms.CharField(
+        required=False,
+        label="Paused until",
+        help_text="A paused job resumes by itself at this time (ISO 8601, like 2026-10-28T20:30:00Z). "
+        "Empty: until resumed by hand.",
+    )
 
     class Meta:
         model = Job
@@ -163,6 +184,7 @@ class JobAdminForm(forms.ModelForm):
             "timezone": data["timezone"],
             "window": data["window"],
             "misfire": data["misfire"],
+            "overlap": data["overlap"],
             "target": data["target"],
             "method": data["method"],
             "headers": data["headers"],
@@ -174,7 +196,9 @@ class JobAdminForm(forms.ModelForm):
             "retry_cap": retry.get("cap"),
             "timeout": data["timeout"],
             "notify": data["notify"] or "",
+            "pause_after_failures": data["pause_after_failures"],
             "paused": data["paused"],
+            "paused_until": data["paused_until"] or "",
         }
 
     def _api_body(self, cleaned: dict[str, Any]) -> dict[str, Any]:
@@ -187,8 +211,8 @@ class JobAdminForm(forms.ModelForm):
             value = cleaned[name]
             if name == "secret_headers":
                 value = [part.strip() for part in (value or "").split(",") if part.strip()]
-            elif name in ("schedule", "at", "notify", "name") and value == "":
-                if not editing and name in ("schedule", "at"):
+            elif name in ("schedule", "at", "notify", "name", "paused_until") and value == "":
+                if not editing and name in ("schedule", "at", "paused_until"):
                     continue  # exactly one of them is given on create
                 value = None if name != "name" else ""
             elif name in ("headers", "payload") and value is None and not editing:
@@ -274,7 +298,7 @@ class JobAdmin(admin.ModelAdmin):
         "last_outcome",
         "target_host",
     )
-    list_filter = ("state", "owner", TargetHostFilter, "paused", "misfire")
+    list_filter = ("state", "owner", TargetHostFilter, "paused", "misfire", "overlap")
     search_fields = ("name", "target")
     search_help_text = "Name, target, or id (job_12 or 12)."
     list_select_related = ("owner",)
@@ -283,7 +307,7 @@ class JobAdmin(admin.ModelAdmin):
     readonly_fields = ("state", "schedule_in_words", "next_times_preview", "created_at", "updated_at", "deleted_at")
 
     def get_fieldsets(self, request: HttpRequest, obj: Job | None = None) -> Any:
-        who = ("owner", "name", "state", "paused") if obj else ("owner", "name", "paused")
+        who = ("owner", "name", "state", "paused", "paused_until") if obj else ("owner", "name", "paused", "paused_until")
         history = (("History", {"fields": ("created_at", "updated_at", "deleted_at")}),) if obj else ()
         secret = "secret_headers"
         if obj and not self.has_change_permission(request, obj):
@@ -301,11 +325,20 @@ class JobAdmin(admin.ModelAdmin):
                         "next_times_preview",
                         "window",
                         "misfire",
+                        "overlap",
                     )
                 },
             ),
             ("Target", {"fields": ("target", "method", "headers", secret, "payload")}),
-            ("Execution", {"fields": ("retry_max", "retry_backoff", "retry_base", "retry_cap", "timeout", "notify")}),
+            (
+                "Execution",
+                {
+                    "fields": (
+                        "retry_max", "retry_backoff", "retry_base", "retry_cap", "timeout", "notify",
+                        "pause_after_failures",
+                    )
+                },
+            ),
             *history,
         )
 

@@ -49,6 +49,7 @@ MAX_PAYLOAD_DEPTH = 64
 AT_PAST_LIMIT = timedelta(days=366)
 AT_FUTURE_LIMIT = timedelta(days=100 * 366)
 TIMING_INPUTS = ("schedule", "at", "delay")
+MAX_PAUSE_AFTER_FAILURES = 1000
 _DURATION_PATTERN = r"^[0-9]+[smhd]$"
 
 
@@ -374,6 +375,23 @@ class JobSerializer(StrictFieldsMixin, serializers.Serializer):
         error_messages={"invalid_choice": 'unknown misfire policy "{input}": use run_once, skip or run_all'},
         help_text="run_once (default), skip or run_all.",
     )
+    overlap = serializers.ChoiceField(
+        required=False,
+        choices=Job.Overlap.choices,
+        error_messages={"invalid_choice": 'unknown overlap policy "{input}": use skip or buffer_one '
+                        '(allow, runs side by side, is not available yet)'},
+        help_text="What happens to a time that passes while the job's run is in flight (from its claim to its "
+        "outcome): skip (default: a `skipped` run with reason `overlap`; the next run is the next future "
+        "time) or buffer_one (the latest such time runs as soon as the run in flight ends, the others are "
+        "skipped). Those times are the overlap policy's, not the misfire policy's.",
+    )
+    pause_after_failures = serializers.IntegerField(
+        required=False,
+        min_value=0,
+        max_value=MAX_PAUSE_AFTER_FAILURES,
+        help_text="After this many of its runs in a row end dead, the job pauses itself and its owner is told "
+        f"(0 to {MAX_PAUSE_AFTER_FAILURES}; default 0: never).",
+    )
     retry = RetrySerializer(
         source="*",
         required=False,
@@ -392,6 +410,13 @@ class JobSerializer(StrictFieldsMixin, serializers.Serializer):
         help_text="An e-mail address, or an https URL that receives a signed JSON notice.",
     )
     paused = serializers.BooleanField(required=False)
+    paused_until = UtcTimeField(
+        required=False,
+        allow_null=True,
+        help_text="A paused job resumes by itself at this time (ISO 8601, UTC when it has no offset; rounded up "
+        'to a whole second), under its misfire policy. Only with "paused": true (in the same request, or on '
+        "a job already paused) and only in the future; null clears it; resuming clears it.",
+    )
     state = serializers.ChoiceField(choices=Job.State.choices, read_only=True)
     next_run = serializers.SerializerMethodField()
     created_at = UtcTimeField(read_only=True)
@@ -452,6 +477,7 @@ class JobSerializer(StrictFieldsMixin, serializers.Serializer):
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         attrs = dict(attrs)
         self._resolve_timing(attrs)
+        self._check_paused_until(attrs)
         self._check_retry_cap(attrs)
         self._keep_stored_secrets(attrs)
         return attrs
@@ -502,6 +528,26 @@ class JobSerializer(StrictFieldsMixin, serializers.Serializer):
         if name in attrs:
             return attrs[name]
         return getattr(self.instance, name) if self.instance is not None else _model_default(name)
+
+    def _check_paused_until(self, attrs: dict[str, Any]) -> None:
+        """A resume time needs a paused job (a job not paused has nothing to resume:
+        400, not a pause the caller did not ask for) and must be ahead (a time that
+        has passed would resume at once: 400, "paused": false says that plainly)."""
+        until = attrs.get("paused_until")
+        if until is None:
+            return
+        until = schedule.round_up_to_second(until)
+        attrs["paused_until"] = until
+        if not self._current(attrs, "paused"):
+            raise ValidationError({"paused_until": [
+                'only a paused job resumes by itself: send "paused": true with it (the job is not paused)'
+            ]})
+        if until <= timezone.now():
+            raise ValidationError({"paused_until": [
+                f"{iso_z(until)} is not in the future; to resume the job now, send \"paused\": false"
+            ]})
+        if until > timezone.now() + AT_FUTURE_LIMIT:
+            raise ValidationError({"paused_until": [f"{iso_z(until)} is more than 100 years ahead"]})
 
     def _check_retry_cap(self, attrs: dict[str, Any]) -> None:
         base = self._current(attrs, "retry_base_seconds")

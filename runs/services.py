@@ -10,6 +10,7 @@ import os
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -27,7 +28,7 @@ from runs import breakers, bulk, bulkhead, claims, delivery, events
 from runs.claims import Claim
 from runs.delivery import CallResult
 from runs.models import Run
-from runs.signals import run_dead
+from runs.signals import job_paused, run_dead
 
 logger = logging.getLogger("scheduler.runs")
 S = Run.Status
@@ -156,7 +157,12 @@ def job_next_run(
 
 
 def job_next_runs(
-    *, jobs: list[Job], now: datetime, since: datetime | None = None, reason: str = ""
+    *,
+    jobs: list[Job],
+    now: datetime,
+    since: datetime | None = None,
+    reason: str = "",
+    in_flight: dict[int, datetime] | None = None,
 ) -> tuple[dict[int, Run], list[events.Event]]:
     """The next normal run of each job, for jobs that have none open (a run of
     theirs has just ended, or the waiting one was cancelled by an edit).
@@ -170,6 +176,11 @@ def job_next_runs(
     time, so a recurring job moves on to its next cron time, and a one-off is
     `completed`. Returns the new run by job id, and their `scheduled` events (for
     the caller to write with its own).
+
+    `in_flight` (the outcome write only): for a job whose run has just ended, when
+    that run was first claimed (its `started_at`). The times that passed from then
+    to `now` passed while the run was in flight: they are the job's overlap
+    policy's (_overlap_plan), not the misfire policy's.
     """
     live = [job for job in jobs if job.state != Job.State.DELETED]
     done = _one_offs_done([job for job in live if not job.is_recurring])
@@ -179,10 +190,16 @@ def job_next_runs(
         return {}, []
     latest = _latest_counted([job.pk for job in live if job.is_recurring])
     held = _held_jobs(live)
-    rows = [
-        _open_row(job, job_next_run_time(job, latest=latest.get(job.pk), since=since, now=now), job.pk in held)
-        for job in live
-    ]
+    rows, skipped = [], []
+    for job in live:
+        when = job_next_run_time(job, latest=latest.get(job.pk), since=since, now=now)
+        started = (in_flight or {}).get(job.pk)
+        if started is None or not job.is_recurring or when > now or when < started:
+            rows.append(_open_row(job, when, job.pk in held))
+            continue
+        plan = _overlap_plan(job, first=when, since=since, now=now)
+        skipped += _skip_overlapped(job, plan, now)
+        rows.append(_open_row(job, plan.next_time, job.pk in held, due_now=now if plan.buffered else None))
     inserted, refused = bulk.insert_open_runs(rows)
     created = {r.job_id: r for r in inserted}
     jobs_by_id = {job.pk: job for job in live}
@@ -196,12 +213,79 @@ def job_next_runs(
                      due_at=delivery.iso_z(r.due_at), **detail)
         for r in created.values()
     ]
-    return created, found
+    return created, skipped + found
 
 
-def _open_row(job: Job, when: datetime, held: bool) -> Run:
+def _open_row(job: Job, when: datetime, held: bool, due_now: datetime | None = None) -> Run:
     due_at = schedule.spread_due_at(job.pk, when, timedelta(seconds=job.window_seconds))
+    if due_now is not None:
+        due_at = max(due_at, due_now)
     return Run(job=job, scheduled_for=when, due_at=due_at, partition=job.partition, held=held)
+
+
+# ------------------------------------------------------------------ overlap
+#
+# A time that passes while the job's run is in flight, from the run's first claim
+# (`started_at`) to its outcome, is the overlap policy's: `skip` gives it a `skipped`
+# row (reason `overlap`) and the next run is the next future time; `buffer_one` runs
+# the latest of them as soon as the run ends (due now: the misfire rule, counted from
+# due_at, does not call it late) and skips the others. A time that had passed before
+# the claim was missed while nothing could start the job's run: the next run is that
+# time, as before, and the scanner's misfire policy decides (the job is behind; the
+# overlap policy applies again once it has caught up). See docs/architecture.md.
+
+# The most times one outcome looks at (a run a second in flight for 5.5 hours): past
+# it the job goes on from now, and only the latest SCHEDULER_MISFIRE_MAX_SKIPPED get rows.
+MAX_OVERLAP_TIMES = 20_000
+
+
+@dataclass(frozen=True)
+class OverlapPlan:
+    next_time: datetime  # the job's next run
+    buffered: bool  # buffer_one: next_time has passed, and is due now
+    skipped: list[datetime]  # the latest passed times that get a `skipped` row, oldest first
+    count: int  # how many passed times are skipped in all (`skipped` may hold fewer)
+
+
+def _overlap_plan(job: Job, *, first: datetime, since: datetime | None, now: datetime) -> OverlapPlan:
+    """The times from `first` (the next time, passed while the run was in flight) up
+    to `now`, under the job's overlap policy. Each next time is job_next_run_time's."""
+    keep = max(settings.SCHEDULER_MISFIRE_MAX_SKIPPED, 0)
+    passed: deque[datetime] = deque(maxlen=keep + 1)
+    count, when = 0, first
+    while when <= now and count < MAX_OVERLAP_TIMES:
+        passed.append(when)
+        count += 1
+        when = job_next_run_time(job, latest=when, since=since, now=now)
+    if when <= now:  # looked at enough: go on from now
+        when = job_next_run_time(job, latest=now, since=since, now=now)
+    if job.overlap == Job.Overlap.BUFFER_ONE:
+        latest = passed.pop()
+        return OverlapPlan(next_time=latest, buffered=True, skipped=list(passed)[-keep:] if keep else [],
+                           count=count - 1)
+    return OverlapPlan(next_time=when, buffered=False, skipped=list(passed)[-keep:] if keep else [], count=count)
+
+
+def _skip_overlapped(job: Job, plan: OverlapPlan, now: datetime) -> list[events.Event]:
+    """A `skipped` row for each time the plan skips (a time that already has a row,
+    an extra run or a cancelled one, keeps it); returns their `skipped` events."""
+    if not plan.skipped:
+        return []
+    taken = set(Run.objects.filter(job=job, scheduled_for__in=plan.skipped).values_list("scheduled_for", flat=True))
+    why = f"passed while the job's run was in flight (overlap policy {job.overlap})"
+    rows = [
+        Run(job=job, scheduled_for=t, due_at=t, partition=job.partition, status=S.SKIPPED, finished_at=now,
+            last_error=why)
+        for t in plan.skipped
+        if t not in taken
+    ]
+    created = Run.objects.bulk_create(rows)
+    if created and created[0].pk is None:  # backends without RETURNING on bulk insert
+        created = list(Run.objects.filter(job=job, scheduled_for__in=[r.scheduled_for for r in rows]))
+    return [
+        events.event(r.pk, "skipped", now, reason="overlap", policy=job.overlap, passed_in_flight=plan.count)
+        for r in created
+    ]
 
 
 def _latest_counted(job_ids: list[int]) -> dict[int, datetime]:
@@ -683,9 +767,13 @@ def _record_outcomes(calls: list[Call]) -> dict[int, str]:
         found = _hold_retries(
             [c.run for c, o, _ in decided if c.run.pk in landed and o.status == S.SCHEDULED], now
         )
-        ended = [c.run for c, o, _ in decided if c.run.pk in landed and o.status != S.SCHEDULED]
-        new_runs, scheduled = job_next_runs(jobs=[r.job for r in ended if not r.is_backfill], now=now)
+        ended = [c for c, o, _ in decided if c.run.pk in landed and o.status != S.SCHEDULED]
+        normal = [c for c in ended if not c.run.is_backfill]
+        in_flight = {c.run.job_id: c.claim.started_at for c in normal if c.claim.started_at is not None}
+        new_runs, scheduled = job_next_runs(jobs=[c.run.job for c in normal], now=now, in_flight=in_flight)
         found += scheduled
+        dead = [c.run for c, o, _ in decided if c.run.pk in landed and o.status == S.DEAD]
+        _pause_after_failures([r.job for r in dead if not r.is_backfill], now)
         outcomes: dict[int, str] = {}
         for call, outcome, reason in decided:
             run, claim = call.run, call.claim
@@ -729,6 +817,43 @@ def _hold_retries(retried: list[Run], now: datetime) -> list[events.Event]:
     return [events.event(pk, "held", now, reason="job or target paused during the call") for pk in ids]
 
 
+# The runs that say whether a job keeps failing: its normal runs that were called and
+# ended (a skipped or cancelled row never ran; extra runs are not the job's timetable).
+RAN = (S.SUCCEEDED, S.DEAD)
+
+
+def _pause_after_failures(jobs: list[Job], now: datetime) -> None:
+    """A job one of whose normal runs has just gone dead pauses itself when its
+    `pause_after_failures` most recent runs that ran (RAN, newest scheduled_for first)
+    all ended dead: as job_pause, with an audit entry `paused` (actor: the
+    scheduler) and its owner told after commit (notify_paused). The jobs are locked
+    by the outcome write and read under that lock."""
+    from jobs.audit import audit_record
+    from jobs.services import job_pause
+
+    for job in {job.pk: job for job in jobs}.values():
+        limit = job.pause_after_failures
+        if limit <= 0 or job.paused or job.state != Job.State.ACTIVE or not job.is_recurring:
+            continue
+        latest = list(
+            Run.objects.filter(job_id=job.pk, is_backfill=False, status__in=RAN)
+            .order_by("-scheduled_for")
+            .values_list("status", flat=True)[:limit]
+        )
+        if len(latest) < limit or any(status != S.DEAD for status in latest):
+            continue
+        reason = f"its last {limit} runs ended dead (pause_after_failures={limit})"
+        job_pause(job=job, now=now)
+        audit_record(actor=SCHEDULER_ACTOR, via="command", action="paused", obj=job, at=now,
+                     detail={"reason": "pause_after_failures", "failures": limit})
+        transaction.on_commit(lambda pk=job.pk, why=reason: notify_paused(job_id=pk, reason=why))
+
+
+# Who the audit log names for what the scheduler does by itself (a job pausing itself
+# after failures, a job resuming at its paused_until).
+SCHEDULER_ACTOR = "scheduler"
+
+
 def paused_target_hosts(hosts: set[str]) -> set[str]:
     from runs.models import PausedTarget
 
@@ -750,6 +875,27 @@ def notify_dead(*, run_id: int, reason: str) -> None:
                 f"Run {run.public_id} of job {job.public_id} ({job.name}) scheduled for "
                 f"{delivery.iso_z(run.scheduled_for)} is on the dead list after {run.attempt} attempt(s).\n\n"
                 f"Reason: {reason}\nTarget: {job.target}\n"
+            ),
+            from_email=None,
+            recipient_list=[recipient],
+            fail_silently=True,
+        )
+
+
+def notify_paused(*, job_id: int, reason: str) -> None:
+    """Tell the job's owner that the job paused itself: a log line, a signal for code,
+    and an e-mail when there is an address (as notify_dead)."""
+    job = Job.objects.select_related("owner").get(pk=job_id)
+    logger.warning("%s paused itself: %s", job.public_id, reason)
+    job_paused.send(sender=Job, job=job, reason=reason)
+    recipient = job.notify or job.owner.email
+    if recipient and "@" in recipient and not recipient.startswith("https://"):
+        send_mail(
+            subject=f"[scheduler] {job.name or job.public_id} paused itself",
+            message=(
+                f"Job {job.public_id} ({job.name}) has paused itself: {reason}.\n\n"
+                f"Its waiting run is held until the job is resumed (PATCH {{\"paused\": false}}).\n"
+                f"Target: {job.target}\n"
             ),
             from_email=None,
             recipient_list=[recipient],
