@@ -119,6 +119,7 @@ class JobAdminForm(forms.ModelForm):
     window = forms.CharField(initial="0s", help_text='The run may start up to this long after its time ("5m").')
     misfire = forms.ChoiceField(choices=Job.Misfire.choices, initial=Job.Misfire.RUN_ONCE)
     overlap = forms.ChoiceField(
+        required=False,
         choices=Job.Overlap.choices,
         initial=Job.Overlap.SKIP,
         help_text="A time that passes while the job's run is in flight: skip it (a skipped run, reason overlap), "
@@ -149,6 +150,7 @@ class JobAdminForm(forms.ModelForm):
         "(default: the owner's e-mail).",
     )
     pause_after_failures = forms.IntegerField(
+        required=False,
         initial=0,
         min_value=0,
         label="Pause after failures",
@@ -217,6 +219,8 @@ class JobAdminForm(forms.ModelForm):
                 value = None if name != "name" else ""
             elif name in ("headers", "payload") and value is None and not editing:
                 continue
+            elif name in ("overlap", "pause_after_failures") and value in ("", None):
+                continue  # left empty: the default (create), or unchanged (edit)
             api = FORM_TO_API[name]
             if api.startswith("retry."):
                 body.setdefault("retry", {})[api.split(".", 1)[1]] = value
