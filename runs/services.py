@@ -23,6 +23,7 @@ from django.utils import timezone
 
 from jobs import schedule
 from jobs.models import Job
+from jobs.public_ids import format_id
 from jobs.validators import check_resolved_target, target_host
 from runs import breakers, bulk, bulkhead, claims, delivery, events
 from runs.claims import Claim
@@ -162,7 +163,7 @@ def job_next_runs(
     now: datetime,
     since: datetime | None = None,
     reason: str = "",
-    in_flight: dict[int, datetime] | None = None,
+    in_flight: dict[int, Flight] | None = None,
 ) -> tuple[dict[int, Run], list[events.Event]]:
     """The next normal run of each job, for jobs that have none open (a run of
     theirs has just ended, or the waiting one was cancelled by an edit).
@@ -177,10 +178,10 @@ def job_next_runs(
     `completed`. Returns the new run by job id, and their `scheduled` events (for
     the caller to write with its own).
 
-    `in_flight` (the outcome write only): for a job whose run has just ended, when
-    that run was first claimed (its `started_at`). The times that passed from then
-    to `now` passed while the run was in flight: they are the job's overlap
-    policy's (_overlap_plan), not the misfire policy's.
+    `in_flight` (the outcome write only): for a job whose run has just ended, that
+    run and when it was first claimed (its `started_at`). The times that passed
+    from then to `now` passed while the run was in flight: they are the job's
+    overlap policy's (_overlap_plan), not the misfire policy's.
     """
     live = [job for job in jobs if job.state != Job.State.DELETED]
     done = _one_offs_done([job for job in live if not job.is_recurring])
@@ -193,12 +194,12 @@ def job_next_runs(
     rows, skipped = [], []
     for job in live:
         when = job_next_run_time(job, latest=latest.get(job.pk), since=since, now=now)
-        started = (in_flight or {}).get(job.pk)
-        if started is None or not job.is_recurring or when > now or when < started:
+        flight = (in_flight or {}).get(job.pk)
+        if flight is None or not job.is_recurring or when > now or when < flight.started_at:
             rows.append(_open_row(job, when, job.pk in held))
             continue
         plan = _overlap_plan(job, first=when, since=since, now=now)
-        skipped += _skip_overlapped(job, plan, now)
+        skipped += _skip_overlapped(job, plan, flight, now)
         rows.append(_open_row(job, plan.next_time, job.pk in held, due_now=now if plan.buffered else None))
     inserted, refused = bulk.insert_open_runs(rows)
     created = {r.job_id: r for r in inserted}
@@ -240,6 +241,14 @@ MAX_OVERLAP_TIMES = 20_000
 
 
 @dataclass(frozen=True)
+class Flight:
+    """A job's run whose outcome is being written: in flight since its first claim."""
+
+    run_id: int
+    started_at: datetime
+
+
+@dataclass(frozen=True)
 class OverlapPlan:
     next_time: datetime  # the job's next run
     buffered: bool  # buffer_one: next_time has passed, and is due now
@@ -266,7 +275,7 @@ def _overlap_plan(job: Job, *, first: datetime, since: datetime | None, now: dat
     return OverlapPlan(next_time=when, buffered=False, skipped=list(passed)[-keep:] if keep else [], count=count)
 
 
-def _skip_overlapped(job: Job, plan: OverlapPlan, now: datetime) -> list[events.Event]:
+def _skip_overlapped(job: Job, plan: OverlapPlan, flight: Flight, now: datetime) -> list[events.Event]:
     """A `skipped` row for each time the plan skips (a time that already has a row,
     an extra run or a cancelled one, keeps it); returns their `skipped` events."""
     if not plan.skipped:
@@ -283,7 +292,8 @@ def _skip_overlapped(job: Job, plan: OverlapPlan, now: datetime) -> list[events.
     if created and created[0].pk is None:  # backends without RETURNING on bulk insert
         created = list(Run.objects.filter(job=job, scheduled_for__in=[r.scheduled_for for r in rows]))
     return [
-        events.event(r.pk, "skipped", now, reason="overlap", policy=job.overlap, passed_in_flight=plan.count)
+        events.event(r.pk, "skipped", now, reason="overlap", policy=job.overlap, in_flight=format_id("run", flight.run_id),
+                     passed_in_flight=plan.count)
         for r in created
     ]
 
@@ -769,7 +779,9 @@ def _record_outcomes(calls: list[Call]) -> dict[int, str]:
         )
         ended = [c for c, o, _ in decided if c.run.pk in landed and o.status != S.SCHEDULED]
         normal = [c for c in ended if not c.run.is_backfill]
-        in_flight = {c.run.job_id: c.claim.started_at for c in normal if c.claim.started_at is not None}
+        in_flight = {
+            c.run.job_id: Flight(c.run.pk, c.claim.started_at) for c in normal if c.claim.started_at is not None
+        }
         new_runs, scheduled = job_next_runs(jobs=[c.run.job for c in normal], now=now, in_flight=in_flight)
         found += scheduled
         dead = [c.run for c, o, _ in decided if c.run.pk in landed and o.status == S.DEAD]
