@@ -342,7 +342,9 @@ def _place_after_clash(job: Job, row: Run, now: datetime) -> Run | None:
             return None  # made meanwhile, by a path that holds no lock on the job: it stands
         earlier = Run.objects.select_for_update().filter(job=job, scheduled_for=when).first()
         if earlier is not None and earlier.status == S.CANCELLED:
-            return run_reopen(run=earlier, job=job, now=now, held=row.held)
+            # A buffered overlap run keeps its due_at (due now) at its own time.
+            keep_due = row.due_at if when == row.scheduled_for else None
+            return run_reopen(run=earlier, job=job, now=now, held=row.held, not_before=keep_due)
         if earlier is not None and not job.is_recurring:
             _complete({job.pk}, now)
             return None
@@ -355,11 +357,13 @@ def _place_after_clash(job: Job, row: Run, now: datetime) -> Run | None:
     return None
 
 
-def run_reopen(*, run: Run, job: Job, now: datetime, held: bool) -> Run:
+def run_reopen(*, run: Run, job: Job, now: datetime, held: bool, not_before: datetime | None = None) -> Run:
     """A cancelled run becomes the job's waiting run again (its time is unique per
     job, so schedule A -> B -> A finds A's cancelled row there). Its `scheduled`
-    event is the caller's to write."""
+    event is the caller's to write. `not_before`: its due_at is no earlier."""
     due_at = schedule.spread_due_at(job.pk, run.scheduled_for, timedelta(seconds=job.window_seconds))
+    if not_before is not None:
+        due_at = max(due_at, not_before)
     Run.objects.filter(pk=run.pk).update(
         status=S.SCHEDULED, due_at=due_at, held=held, finished_at=None, queued_at=None, is_backfill=False,
         last_error="",

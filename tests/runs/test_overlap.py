@@ -31,7 +31,7 @@ from runs.models import Run, RunEvent
 from runs.services import run_execute
 from runs.signals import job_paused
 from scanners.scan import scan_once
-from tests.factories import utc
+from tests.factories import make_run, utc
 from tests.target import LoopbackTarget
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -181,6 +181,20 @@ def test_under_buffer_one_the_latest_time_a_long_call_spans_runs_as_soon_as_it_e
     assert run_execute(run_id=buffered.pk, worker="w2") == "succeeded"
     assert len(target.calls("/long")) == 2
     assert waiting_run(job).scheduled_for == utc("2026-10-28T20:34:00Z")
+
+
+@override_settings(SCHEDULER_MISFIRE_GRACE=10, SCHEDULER_BREAKER_FAILURES=10**6)
+def test_a_buffered_time_that_has_a_cancelled_row_reopens_it_due_now(
+    service: Any, target: HeldTarget, clock: Any
+) -> None:
+    job = make(service.user, target.url("/long"), overlap="buffer_one")
+    cancelled = make_run(job, utc("2026-10-28T20:33:00Z"), status=S.CANCELLED)  # an earlier edit's
+    run = first_run_due(clock, job)
+    assert run_held_call(target, clock, run, lasts=200) == "succeeded"  # ends at 20:33:20
+    cancelled.refresh_from_db()
+    assert cancelled.status == S.SCHEDULED and cancelled.due_at == utc("2026-10-28T20:33:20Z")
+    result = scan()
+    assert result.queued == [cancelled.pk] and result.misfired == 0
 
 
 @override_settings(SCHEDULER_MISFIRE_GRACE=10, SCHEDULER_BREAKER_FAILURES=10**6)
