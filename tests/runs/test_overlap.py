@@ -39,7 +39,6 @@ S = Run.Status
 T0 = utc("2026-10-28T20:29:30Z")
 EVERY_MINUTE = "* * * * *"
 DEADLINE = 10.0  # seconds any wait here may take, in real time
-ALL = frozenset(range(64))
 
 
 class HeldTarget(LoopbackTarget):
