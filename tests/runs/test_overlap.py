@@ -34,7 +34,8 @@ from scanners.scan import scan_once
 from tests.factories import make_run, utc
 from tests.target import LoopbackTarget
 
-pytestmark = pytest.mark.django_db(transaction=True)
+# Also on the embedded defaults (SQLite): the claim hands back started_at in its text form there.
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.embedded]
 S = Run.Status
 T0 = utc("2026-10-28T20:29:30Z")
 EVERY_MINUTE = "* * * * *"
