@@ -44,6 +44,7 @@ FORM_TO_API = {
     "timezone": "timezone",
     "window": "window",
     "misfire": "misfire",
+    "overlap": "overlap",
     "target": "target",
     "task": "task",
     "args": "args",
@@ -60,7 +61,9 @@ FORM_TO_API = {
     "timeout": "timeout",
     "notify": "notify",
     "notify_on": "notify_on",
+    "pause_after_failures": "pause_after_failures",
     "paused": "paused",
+    "paused_until": "paused_until",
 }
 API_TO_FORM = {api: name for name, api in FORM_TO_API.items()}
 
@@ -122,6 +125,13 @@ class JobAdminForm(forms.ModelForm):
     timezone = forms.CharField(initial="UTC", max_length=64, help_text="An IANA name, like Asia/Kolkata.")
     window = forms.CharField(initial="0s", help_text='The run may start up to this long after its time ("5m").')
     misfire = forms.ChoiceField(choices=Job.Misfire.choices, initial=Job.Misfire.RUN_ONCE)
+    overlap = forms.ChoiceField(
+        required=False,
+        choices=Job.Overlap.choices,
+        initial=Job.Overlap.SKIP,
+        help_text="A time that passes while the job's run is in flight: skip it (a skipped run, reason overlap), "
+        "or buffer_one (the latest such time runs as soon as the run ends).",
+    )
     target = forms.CharField(
         required=False, max_length=2000, strip=False,
         help_text="An http(s) URL, checked as typed. Exactly one of target and task.",
@@ -167,7 +177,20 @@ class JobAdminForm(forms.ModelForm):
         label="Notify on",
         help_text="Which runs the notify address is told about (in one digest per few minutes).",
     )
+    pause_after_failures = forms.IntegerField(
+        required=False,
+        initial=0,
+        min_value=0,
+        label="Pause after failures",
+        help_text="After this many runs in a row end dead, the job pauses itself and its owner is told (0: never).",
+    )
     paused = forms.BooleanField(required=False)
+    paused_until = forms.CharField(
+        required=False,
+        label="Paused until",
+        help_text="A paused job resumes by itself at this time (ISO 8601, like 2026-10-28T20:30:00Z). "
+        "Empty: until resumed by hand.",
+    )
 
     class Meta:
         model = Job
@@ -191,6 +214,7 @@ class JobAdminForm(forms.ModelForm):
             "timezone": data["timezone"],
             "window": data["window"],
             "misfire": data["misfire"],
+            "overlap": data["overlap"],
             "target": data["target"] or "",
             "task": data["task"] or "",
             "args": data["args"] if data["args"] is not None else [],
@@ -207,7 +231,9 @@ class JobAdminForm(forms.ModelForm):
             "timeout": data["timeout"],
             "notify": data["notify"] or "",
             "notify_on": data["notify_on"],
+            "pause_after_failures": data["pause_after_failures"],
             "paused": data["paused"],
+            "paused_until": data["paused_until"] or "",
         }
 
     def _api_body(self, cleaned: dict[str, Any]) -> dict[str, Any]:
@@ -230,14 +256,16 @@ class JobAdminForm(forms.ModelForm):
                 continue
             if name == "secret_headers":
                 value = [part.strip() for part in (value or "").split(",") if part.strip()]
-            elif name in ("schedule", "at", "notify", "name") and value == "":
-                if not editing and name in ("schedule", "at"):
+            elif name in ("schedule", "at", "notify", "name", "paused_until") and value == "":
+                if not editing and name in ("schedule", "at", "paused_until"):
                     continue  # exactly one of them is given on create
                 value = None if name != "name" else ""
             elif name == "notify_on":
                 value = list(value or [])
             elif name in ("headers", "payload") and value is None and not editing:
                 continue
+            elif name in ("overlap", "pause_after_failures") and value in ("", None):
+                continue  # left empty: the default (create), or unchanged (edit)
             api = FORM_TO_API[name]
             if api.startswith("retry."):
                 body.setdefault("retry", {})[api.split(".", 1)[1]] = value
@@ -336,7 +364,7 @@ class JobAdmin(admin.ModelAdmin):
         "target_host",
         "defined_in",
     )
-    list_filter = ("state", "owner", TargetHostFilter, "paused", "misfire", CodeOwnedFilter)
+    list_filter = ("state", "owner", TargetHostFilter, "paused", "misfire", "overlap", CodeOwnedFilter)
     search_fields = ("name", "target", "task")
     search_help_text = "Name, target, or id (job_12 or 12)."
     list_select_related = ("owner",)
@@ -347,7 +375,7 @@ class JobAdmin(admin.ModelAdmin):
     )
 
     def get_fieldsets(self, request: HttpRequest, obj: Job | None = None) -> Any:
-        who = ("owner", "name", "state", "paused", "defined_in") if obj else ("owner", "name", "paused")
+        who = ("owner", "name", "state", "paused", "paused_until", "defined_in") if obj else ("owner", "name", "paused", "paused_until")
         history = (("History", {"fields": ("created_at", "updated_at", "deleted_at")}),) if obj else ()
         secret = "secret_headers"
         if obj and not self.has_change_permission(request, obj):
@@ -365,13 +393,14 @@ class JobAdmin(admin.ModelAdmin):
                         "next_times_preview",
                         "window",
                         "misfire",
+                        "overlap",
                     )
                 },
             ),
             ("Target", {"fields": ("target", "method", "headers", secret, "payload", "task", "args", "kwargs",
                                    "queue")}),
             ("Execution", {"fields": ("retry_max", "retry_backoff", "retry_base", "retry_cap", "timeout", "notify",
-                                      "notify_on")}),
+                                      "notify_on", "pause_after_failures")}),
             *history,
         )
 

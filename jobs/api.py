@@ -216,6 +216,9 @@ def paginated(view: viewsets.GenericViewSet, runs: QuerySet[Run]) -> Response:
     retrieve=extend_schema(summary="One job", parameters=[JOB_ID], responses={200: JobSerializer, 404: NOT_FOUND}),
     partial_update=extend_schema(
         summary="Change a job; {\"paused\": true/false} pauses or resumes it",
+        description='{"paused": true, "paused_until": T} pauses it until T, when it resumes by itself (within '
+        "one scan); a paused_until on a job that is not paused, or not in the future, is a 400 naming it; "
+        "resuming clears it.",
         parameters=[JOB_ID],
         responses={
             200: JobSerializer,

@@ -38,6 +38,13 @@ class Job(models.Model):
         SKIP = "skip"
         RUN_ALL = "run_all"
 
+    class Overlap(models.TextChoices):
+        # What happens to a time that passes while the job's run is in flight (from its
+        # claim to its outcome): runs.services.job_next_runs. (`allow`, runs side by
+        # side, is not built yet: docs/architecture.md.)
+        SKIP = "skip"
+        BUFFER_ONE = "buffer_one"
+
     class Backoff(models.TextChoices):
         EXPONENTIAL = "exponential"
         LINEAR = "linear"
@@ -69,6 +76,9 @@ class Job(models.Model):
     payload = models.JSONField(null=True, blank=True)
     window_seconds = models.PositiveIntegerField(default=0)
     misfire = models.CharField(max_length=16, choices=Misfire.choices, default=Misfire.RUN_ONCE)
+    overlap = models.CharField(max_length=16, choices=Overlap.choices, default=Overlap.SKIP)
+    # After this many of its normal runs in a row end dead, the job pauses itself (0: never).
+    pause_after_failures = models.PositiveSmallIntegerField(default=0)
     retry_max = models.PositiveSmallIntegerField(default=3)
     retry_backoff = models.CharField(max_length=16, choices=Backoff.choices, default=Backoff.EXPONENTIAL)
     retry_base_seconds = models.PositiveIntegerField(default=10)
@@ -80,6 +90,8 @@ class Job(models.Model):
     # Which runs the owner is told about: "dead" (the default), and "skipped" if asked.
     notify_on = models.JSONField(default=default_notify_on, blank=True)
     paused = models.BooleanField(default=False)
+    # A paused job with this set resumes by itself at that time (the scanner: scanners.scan).
+    paused_until = models.DateTimeField(null=True, blank=True)
     state = models.CharField(max_length=16, choices=State.choices, default=State.ACTIVE)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
@@ -94,7 +106,14 @@ class Job(models.Model):
 
     class Meta:
         db_table = "jobs"
-        indexes = [models.Index(fields=["owner", "-id"], name="jobs_owner_idx")]
+        indexes = [
+            models.Index(fields=["owner", "-id"], name="jobs_owner_idx"),
+            # The scanner's "which paused jobs are due to resume?": jobs with a resume time only.
+            models.Index(
+                fields=["paused_until"], condition=models.Q(paused_until__isnull=False), name="jobs_paused_until_idx"
+
+            ),
+        ]
         constraints = [
             # Exactly one of a URL target and a Celery task.
             models.CheckConstraint(

@@ -56,6 +56,7 @@ TARGET_INPUTS = ("target", "task")
 # What applies to one kind of target only (API names): given for the other kind, a 400.
 URL_ONLY = ("method", "headers", "secret_headers", "payload")
 TASK_ONLY = ("args", "kwargs", "queue")
+MAX_PAUSE_AFTER_FAILURES = 1000
 _DURATION_PATTERN = r"^[0-9]+[smhd]$"
 
 
@@ -475,6 +476,23 @@ class JobSerializer(StrictFieldsMixin, serializers.Serializer):
         error_messages={"invalid_choice": 'unknown misfire policy "{input}": use run_once, skip or run_all'},
         help_text="run_once (default), skip or run_all.",
     )
+    overlap = serializers.ChoiceField(
+        required=False,
+        choices=Job.Overlap.choices,
+        error_messages={"invalid_choice": 'unknown overlap policy "{input}": use skip or buffer_one '
+                        '(allow, runs side by side, is not available yet)'},
+        help_text="What happens to a time that passes while the job's run is in flight (from its claim to its "
+        "outcome): skip (default: a `skipped` run with reason `overlap`; the next run is the next future "
+        "time) or buffer_one (the latest such time runs as soon as the run in flight ends, the others are "
+        "skipped). Those times are the overlap policy's, not the misfire policy's.",
+    )
+    pause_after_failures = serializers.IntegerField(
+        required=False,
+        min_value=0,
+        max_value=MAX_PAUSE_AFTER_FAILURES,
+        help_text="After this many of its runs in a row end dead, the job pauses itself and its owner is told "
+        f"(0 to {MAX_PAUSE_AFTER_FAILURES}; default 0: never).",
+    )
     retry = RetrySerializer(
         source="*",
         required=False,
@@ -497,6 +515,13 @@ class JobSerializer(StrictFieldsMixin, serializers.Serializer):
         help_text='Which runs `notify` is told about: ["dead"] (the default), or ["dead", "skipped"].',
     )
     paused = serializers.BooleanField(required=False)
+    paused_until = UtcTimeField(
+        required=False,
+        allow_null=True,
+        help_text="A paused job resumes by itself at this time (ISO 8601, UTC when it has no offset; rounded up "
+        'to a whole second), under its misfire policy. Only with "paused": true (in the same request, or on '
+        "a job already paused) and only in the future; null clears it; resuming clears it.",
+    )
     state = serializers.ChoiceField(choices=Job.State.choices, read_only=True)
     defined_in = serializers.SerializerMethodField(
         help_text="The module whose SCHEDULES define this job (sync_jobs), like billing.schedules; "
@@ -595,6 +620,7 @@ class JobSerializer(StrictFieldsMixin, serializers.Serializer):
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         attrs = dict(attrs)
         self._resolve_timing(attrs)
+        self._check_paused_until(attrs)
         self._check_retry_cap(attrs)
         if self._resolve_target(attrs) == "task":
             self._check_task_grant(attrs)
@@ -711,6 +737,26 @@ class JobSerializer(StrictFieldsMixin, serializers.Serializer):
         if name in attrs:
             return attrs[name]
         return getattr(self.instance, name) if self.instance is not None else _model_default(name)
+
+    def _check_paused_until(self, attrs: dict[str, Any]) -> None:
+        """A resume time needs a paused job (a job not paused has nothing to resume:
+        400, not a pause the caller did not ask for) and must be ahead (a time that
+        has passed would resume at once: 400, "paused": false says that plainly)."""
+        until = attrs.get("paused_until")
+        if until is None:
+            return
+        until = schedule.round_up_to_second(until)
+        attrs["paused_until"] = until
+        if not self._current(attrs, "paused"):
+            raise ValidationError({"paused_until": [
+                'only a paused job resumes by itself: send "paused": true with it (the job is not paused)'
+            ]})
+        if until <= timezone.now():
+            raise ValidationError({"paused_until": [
+                f"{iso_z(until)} is not in the future; to resume the job now, send \"paused\": false"
+            ]})
+        if until > timezone.now() + AT_FUTURE_LIMIT:
+            raise ValidationError({"paused_until": [f"{iso_z(until)} is more than 100 years ahead"]})
 
     def _check_retry_cap(self, attrs: dict[str, Any]) -> None:
         base = self._current(attrs, "retry_base_seconds")

@@ -212,9 +212,10 @@ def job_pause(*, job: Job, now: datetime | None = None) -> Job:
 def job_resume(*, job: Job, now: datetime | None = None) -> Job:
     """Every run the pause held is released (unless its target host is paused); the
     scanner applies the misfire policy to one that is late. A live job with no
-    waiting run of its own gets one (job_next_run)."""
+    waiting run of its own gets one (job_next_run). Its paused_until is cleared."""
     now = now or timezone.now()
-    Job.objects.filter(pk=job.pk).update(paused=False, updated_at=now)  # locks the job first
+    # Resumed, by hand or at its paused_until: a resume time no longer applies.
+    Job.objects.filter(pk=job.pk).update(paused=False, paused_until=None, updated_at=now)  # locks the job first
     _live(job).update(state=Job.State.ACTIVE)
     job.refresh_from_db()
     if not is_held(job):  # else its target host is paused: target_resume releases them
@@ -223,6 +224,29 @@ def job_resume(*, job: Job, now: datetime | None = None) -> Job:
         events.record_many(events.event(pk, "released", now, reason="job resumed") for pk in ids)
     if job.state == Job.State.ACTIVE and open_run(job) is None:
         job_next_run(job=job, now=now)
+    return job
+
+
+def job_resume_due(*, job_id: int, now: datetime) -> Job | None:
+    """A paused job whose paused_until has come resumes (job_resume), with an audit
+    entry `resumed` (actor: the scheduler). None when it is not due (resumed, paused
+    again without a time, or deleted meanwhile) or another transaction holds it (the
+    next scan looks again). The caller's transaction."""
+    from jobs.audit import audit_record
+    from runs.services import SCHEDULER_ACTOR
+
+    job = (
+        Job.objects.select_for_update(skip_locked=True)
+        .filter(pk=job_id, paused=True, paused_until__lte=now)
+        .exclude(state=Job.State.DELETED)
+        .first()
+    )
+    if job is None:
+        return None
+    until = job.paused_until
+    job = job_resume(job=job, now=now)
+    audit_record(actor=SCHEDULER_ACTOR, via="command", action="resumed", obj=job, at=now,
+                 detail={"reason": "paused_until", "paused_until": iso_z(until) if until else None})
     return job
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from datetime import timezone as dt_timezone
 from typing import Any
 
 from django.db import connection
@@ -35,7 +36,7 @@ UPDATE runs
  WHERE id = %s
    AND held = %s
    AND (status = 'queued' OR (status = 'running' AND lease_expires_at < {now}))
-RETURNING fence, attempt
+RETURNING fence, attempt, started_at
 """
 # The deliberate bug (see _fence_checks_disabled): any running run can be claimed.
 CLAIM_SQL_WITHOUT_LEASE_CHECK = CLAIM_SQL.replace(
@@ -68,6 +69,17 @@ class Claim:
     fence: int
     attempt: int
     worker: str
+    # The run's first claim (kept across retries and lease take-overs): when it went
+    # in flight, for the overlap policy (runs.services.job_next_runs).
+    started_at: datetime | None = None
+
+
+def _as_datetime(value: object) -> datetime | None:
+    # PostgreSQL hands back an aware datetime; the embedded SQLite file, its text form.
+    if value is None:
+        return None
+    parsed = value if isinstance(value, datetime) else datetime.fromisoformat(str(value))
+    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=dt_timezone.utc)
 
 
 def _db_time(value: datetime) -> object:
@@ -141,7 +153,8 @@ def claim(*, run_id: int, worker: str, lease: timedelta) -> Claim | None:
         row = cursor.fetchone()
     if row is None:
         return None
-    return Claim(run_id=run_id, fence=int(row[0]), attempt=int(row[1]), worker=worker)
+    return Claim(run_id=run_id, fence=int(row[0]), attempt=int(row[1]), worker=worker,
+                 started_at=_as_datetime(row[2]))
 
 
 def claim_many(*, run_ids: list[int], worker: str, lease: timedelta) -> list[Claim]:
@@ -152,11 +165,15 @@ def claim_many(*, run_ids: list[int], worker: str, lease: timedelta) -> list[Cla
     template = CLAIM_SQL_WITHOUT_LEASE_CHECK if _fence_checks_disabled() else CLAIM_SQL
     template = template.replace("WHERE id = %s", "WHERE id IN ({})".format(", ".join(["%s"] * len(run_ids))))
     template = template.replace("RETURNING fence, attempt", "RETURNING id, fence, attempt")
+    assert "RETURNING id, fence, attempt, started_at" in template
     sql, until, now = _claim_sql(template, lease)
     with connection.cursor() as cursor:
         cursor.execute(sql, [worker, *until, *now, *run_ids, False, *now])
         rows = cursor.fetchall()
-    return [Claim(run_id=int(r[0]), fence=int(r[1]), attempt=int(r[2]), worker=worker) for r in rows]
+    return [
+        Claim(run_id=int(r[0]), fence=int(r[1]), attempt=int(r[2]), worker=worker, started_at=_as_datetime(r[3]))
+        for r in rows
+    ]
 
 
 @dataclass(frozen=True)

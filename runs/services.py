@@ -10,6 +10,7 @@ import os
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -21,12 +22,13 @@ from django.utils import timezone
 
 from jobs import schedule
 from jobs.models import Job
+from jobs.public_ids import format_id
 from jobs.validators import check_resolved_target, target_key
 from runs import breakers, bulk, bulkhead, claims, delivery, events, notices, publishing
 from runs.claims import Claim
 from runs.delivery import CallResult
 from runs.models import Run
-from runs.signals import run_dead
+from runs.signals import job_paused, run_dead
 
 logger = logging.getLogger("scheduler.runs")
 S = Run.Status
@@ -155,7 +157,12 @@ def job_next_run(
 
 
 def job_next_runs(
-    *, jobs: list[Job], now: datetime, since: datetime | None = None, reason: str = ""
+    *,
+    jobs: list[Job],
+    now: datetime,
+    since: datetime | None = None,
+    reason: str = "",
+    in_flight: dict[int, Flight] | None = None,
 ) -> tuple[dict[int, Run], list[events.Event]]:
     """The next normal run of each job, for jobs that have none open (a run of
     theirs has just ended, or the waiting one was cancelled by an edit).
@@ -169,6 +176,11 @@ def job_next_runs(
     time, so a recurring job moves on to its next cron time, and a one-off is
     `completed`. Returns the new run by job id, and their `scheduled` events (for
     the caller to write with its own).
+
+    `in_flight` (the outcome write only): for a job whose run has just ended, that
+    run and when it was first claimed (its `started_at`). The times that passed
+    from then to `now` passed while the run was in flight: they are the job's
+    overlap policy's (_overlap_plan), not the misfire policy's.
     """
     live = [job for job in jobs if job.state != Job.State.DELETED]
     done = _one_offs_done([job for job in live if not job.is_recurring])
@@ -178,10 +190,16 @@ def job_next_runs(
         return {}, []
     latest = _latest_counted([job.pk for job in live if job.is_recurring])
     held = _held_jobs(live)
-    rows = [
-        _open_row(job, job_next_run_time(job, latest=latest.get(job.pk), since=since, now=now), job.pk in held)
-        for job in live
-    ]
+    rows, skipped = [], []
+    for job in live:
+        when = job_next_run_time(job, latest=latest.get(job.pk), since=since, now=now)
+        flight = (in_flight or {}).get(job.pk)
+        if flight is None or not job.is_recurring or when > now or when < flight.started_at:
+            rows.append(_open_row(job, when, job.pk in held))
+            continue
+        plan = _overlap_plan(job, first=when, since=since, now=now)
+        skipped += _skip_overlapped(job, plan, flight, now)
+        rows.append(_open_row(job, plan.next_time, job.pk in held, due_now=now if plan.buffered else None))
     inserted, refused = bulk.insert_open_runs(rows)
     created = {r.job_id: r for r in inserted}
     jobs_by_id = {job.pk: job for job in live}
@@ -195,12 +213,88 @@ def job_next_runs(
                      due_at=delivery.iso_z(r.due_at), **detail)
         for r in created.values()
     ]
-    return created, found
+    return created, skipped + found
 
 
-def _open_row(job: Job, when: datetime, held: bool) -> Run:
+def _open_row(job: Job, when: datetime, held: bool, due_now: datetime | None = None) -> Run:
     due_at = schedule.spread_due_at(job.pk, when, timedelta(seconds=job.window_seconds))
+    if due_now is not None:
+        due_at = max(due_at, due_now)
     return Run(job=job, scheduled_for=when, due_at=due_at, partition=job.partition, held=held)
+
+
+# ------------------------------------------------------------------ overlap
+#
+# A time that passes while the job's run is in flight, from the run's first claim
+# (`started_at`) to its outcome, is the overlap policy's: `skip` gives it a `skipped`
+# row (reason `overlap`) and the next run is the next future time; `buffer_one` runs
+# the latest of them as soon as the run ends (due now: the misfire rule, counted from
+# due_at, does not call it late) and skips the others. A time that had passed before
+# the claim was missed while nothing could start the job's run: the next run is that
+# time, as before, and the scanner's misfire policy decides (the job is behind; the
+# overlap policy applies again once it has caught up). See docs/architecture.md.
+
+# The most times one outcome looks at (a run a second in flight for 5.5 hours): past
+# it the job goes on from now, and only the latest SCHEDULER_MISFIRE_MAX_SKIPPED get rows.
+MAX_OVERLAP_TIMES = 20_000
+
+
+@dataclass(frozen=True)
+class Flight:
+    """A job's run whose outcome is being written: in flight since its first claim."""
+
+    run_id: int
+    started_at: datetime
+
+
+@dataclass(frozen=True)
+class OverlapPlan:
+    next_time: datetime  # the job's next run
+    buffered: bool  # buffer_one: next_time has passed, and is due now
+    skipped: list[datetime]  # the latest passed times that get a `skipped` row, oldest first
+    count: int  # how many passed times are skipped in all (`skipped` may hold fewer)
+
+
+def _overlap_plan(job: Job, *, first: datetime, since: datetime | None, now: datetime) -> OverlapPlan:
+    """The times from `first` (the next time, passed while the run was in flight) up
+    to `now`, under the job's overlap policy. Each next time is job_next_run_time's."""
+    keep = max(settings.SCHEDULER_MISFIRE_MAX_SKIPPED, 0)
+    passed: deque[datetime] = deque(maxlen=keep + 1)
+    count, when = 0, first
+    while when <= now and count < MAX_OVERLAP_TIMES:
+        passed.append(when)
+        count += 1
+        when = job_next_run_time(job, latest=when, since=since, now=now)
+    if when <= now:  # looked at enough: go on from now
+        when = job_next_run_time(job, latest=now, since=since, now=now)
+    if job.overlap == Job.Overlap.BUFFER_ONE:
+        latest = passed.pop()
+        return OverlapPlan(next_time=latest, buffered=True, skipped=list(passed)[-keep:] if keep else [],
+                           count=count - 1)
+    return OverlapPlan(next_time=when, buffered=False, skipped=list(passed)[-keep:] if keep else [], count=count)
+
+
+def _skip_overlapped(job: Job, plan: OverlapPlan, flight: Flight, now: datetime) -> list[events.Event]:
+    """A `skipped` row for each time the plan skips (a time that already has a row,
+    an extra run or a cancelled one, keeps it); returns their `skipped` events."""
+    if not plan.skipped:
+        return []
+    taken = set(Run.objects.filter(job=job, scheduled_for__in=plan.skipped).values_list("scheduled_for", flat=True))
+    why = f"passed while the job's run was in flight (overlap policy {job.overlap})"
+    rows = [
+        Run(job=job, scheduled_for=t, due_at=t, partition=job.partition, status=S.SKIPPED, finished_at=now,
+            last_error=why)
+        for t in plan.skipped
+        if t not in taken
+    ]
+    created = Run.objects.bulk_create(rows)
+    if created and created[0].pk is None:  # backends without RETURNING on bulk insert
+        created = list(Run.objects.filter(job=job, scheduled_for__in=[r.scheduled_for for r in rows]))
+    return [
+        events.event(r.pk, "skipped", now, reason="overlap", policy=job.overlap, in_flight=format_id("run", flight.run_id),
+                     passed_in_flight=plan.count)
+        for r in created
+    ]
 
 
 def _latest_counted(job_ids: list[int]) -> dict[int, datetime]:
@@ -247,7 +341,9 @@ def _place_after_clash(job: Job, row: Run, now: datetime) -> Run | None:
             return None  # made meanwhile, by a path that holds no lock on the job: it stands
         earlier = Run.objects.select_for_update().filter(job=job, scheduled_for=when).first()
         if earlier is not None and earlier.status == S.CANCELLED:
-            return run_reopen(run=earlier, job=job, now=now, held=row.held)
+            # A buffered overlap run keeps its due_at (due now) at its own time.
+            keep_due = row.due_at if when == row.scheduled_for else None
+            return run_reopen(run=earlier, job=job, now=now, held=row.held, not_before=keep_due)
         if earlier is not None and not job.is_recurring:
             _complete({job.pk}, now)
             return None
@@ -260,11 +356,13 @@ def _place_after_clash(job: Job, row: Run, now: datetime) -> Run | None:
     return None
 
 
-def run_reopen(*, run: Run, job: Job, now: datetime, held: bool) -> Run:
+def run_reopen(*, run: Run, job: Job, now: datetime, held: bool, not_before: datetime | None = None) -> Run:
     """A cancelled run becomes the job's waiting run again (its time is unique per
     job, so schedule A -> B -> A finds A's cancelled row there). Its `scheduled`
-    event is the caller's to write."""
+    event is the caller's to write. `not_before`: its due_at is no earlier."""
     due_at = schedule.spread_due_at(job.pk, run.scheduled_for, timedelta(seconds=job.window_seconds))
+    if not_before is not None:
+        due_at = max(due_at, not_before)
     Run.objects.filter(pk=run.pk).update(
         status=S.SCHEDULED, due_at=due_at, held=held, finished_at=None, queued_at=None, is_backfill=False,
         last_error="",
@@ -705,9 +803,15 @@ def _record_outcomes(calls: list[Call]) -> dict[int, str]:
         found = _hold_retries(
             [c.run for c, o, _ in decided if c.run.pk in landed and o.status == S.SCHEDULED], now
         )
-        ended = [c.run for c, o, _ in decided if c.run.pk in landed and o.status != S.SCHEDULED]
-        new_runs, scheduled = job_next_runs(jobs=[r.job for r in ended if not r.is_backfill], now=now)
+        ended = [c for c, o, _ in decided if c.run.pk in landed and o.status != S.SCHEDULED]
+        normal = [c for c in ended if not c.run.is_backfill]
+        in_flight = {
+            c.run.job_id: Flight(c.run.pk, c.claim.started_at) for c in normal if c.claim.started_at is not None
+        }
+        new_runs, scheduled = job_next_runs(jobs=[c.run.job for c in normal], now=now, in_flight=in_flight)
         found += scheduled
+        dead = [c.run for c, o, _ in decided if c.run.pk in landed and o.status == S.DEAD]
+        _pause_after_failures([r.job for r in dead if not r.is_backfill], now)
         outcomes: dict[int, str] = {}
         told: dict[int, str] = {}
         dead_notices: list[notices.Notice | None] = []
@@ -756,6 +860,44 @@ def _hold_retries(retried: list[Run], now: datetime) -> list[events.Event]:
     return [events.event(pk, "held", now, reason="job or target paused during the call") for pk in ids]
 
 
+# The runs that say whether a job keeps failing: its normal runs that were called and
+# ended (a skipped or cancelled row never ran; extra runs are not the job's timetable).
+RAN = (S.SUCCEEDED, S.DEAD)
+
+
+def _pause_after_failures(jobs: list[Job], now: datetime) -> None:
+    """A job one of whose normal runs has just gone dead pauses itself when its
+    `pause_after_failures` most recent runs that ran (RAN, newest scheduled_for first)
+    all ended dead: as job_pause, with an audit entry `paused` (actor: the
+    scheduler) and its owner told after commit (notify_paused). The jobs are locked
+    by the outcome write and read under that lock."""
+    from jobs.audit import audit_record
+    from jobs.services import job_pause
+
+    for job in {job.pk: job for job in jobs}.values():
+        limit = job.pause_after_failures
+        if limit <= 0 or job.paused or job.state != Job.State.ACTIVE or not job.is_recurring:
+            continue
+        latest = list(
+            Run.objects.filter(job_id=job.pk, is_backfill=False, status__in=RAN)
+            .order_by("-scheduled_for")
+            .values_list("status", flat=True)[:limit]
+        )
+        if len(latest) < limit or any(status != S.DEAD for status in latest):
+            continue
+        reason = f"its last {limit} runs ended dead (pause_after_failures={limit})"
+        job_pause(job=job, now=now)
+        audit_record(actor=SCHEDULER_ACTOR, via="command", action="paused", obj=job, at=now,
+                     detail={"reason": "pause_after_failures", "failures": limit})
+        notices.notice_add(job=job, kind="paused", reason=reason, now=now)  # the outbox, in this transaction
+        transaction.on_commit(lambda pk=job.pk, why=reason: notify_paused(job_id=pk, reason=why))
+
+
+# Who the audit log names for what the scheduler does by itself (a job pausing itself
+# after failures, a job resuming at its paused_until).
+SCHEDULER_ACTOR = "scheduler"
+
+
 def paused_target_hosts(hosts: set[str]) -> set[str]:
     from runs.models import PausedTarget
 
@@ -770,3 +912,12 @@ def notify_dead(*, run_id: int, reason: str) -> None:
     run = Run.objects.select_related("job__owner").get(pk=run_id)
     logger.warning("run %s of %s is dead: %s", run.public_id, run.job.public_id, reason)
     run_dead.send(sender=Run, run=run, reason=reason)
+
+
+def notify_paused(*, job_id: int, reason: str) -> None:
+    """After a job paused itself (on commit): a log line and a signal for code. The
+    owner is told by the `paused` notice _pause_after_failures put in the outbox in
+    the pausing transaction (runs.notices), as for dead runs."""
+    job = Job.objects.select_related("owner").get(pk=job_id)
+    logger.warning("%s paused itself: %s", job.public_id, reason)
+    job_paused.send(sender=Job, job=job, reason=reason)

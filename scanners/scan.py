@@ -13,6 +13,7 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import InterfaceError, OperationalError, transaction
+from django.db.models.functions import Mod
 
 from jobs import schedule
 from jobs.models import Job
@@ -34,6 +35,7 @@ class ScanResult:
     lease_expired: list[int] = field(default_factory=list)
     republished: list[int] = field(default_factory=list)
     set_aside: list[int] = field(default_factory=list)  # runs the scan could not handle: now dead (scan_error)
+    resumed: list[int] = field(default_factory=list)  # paused jobs whose paused_until came: resumed
 
     @property
     def to_publish(self) -> list[int]:
@@ -65,6 +67,8 @@ def scan_once(*, partitions: list[int] | frozenset[int], now: datetime | None = 
     if not parts:
         return result
     batch = settings.SCHEDULER_SCAN_BATCH
+    # First, so that a resumed job's released run is due in this very scan.
+    _resume_due_jobs(parts, now, batch, result)
     with transaction.atomic():
         _recover(parts, now, batch, result)
     if publish and result.lease_expired:
@@ -111,6 +115,36 @@ DUE_FIELDS = (
     "id", "job_id", "partition", "scheduled_for", "due_at", "status", "attempt", "is_backfill",
     "job__id", "job__window_seconds", "job__target", "job__task", "job__queue", "job__schedule", "job__misfire",
 )
+
+
+def _resume_due_jobs(parts: list[int], now: datetime, batch: int, result: ScanResult) -> None:
+    """Paused jobs of these partitions whose paused_until has come resume
+    (jobs.services.job_resume_due), at most a batch a scan, the longest due first.
+
+    One read of jobs_paused_until_idx (only jobs with a resume time are in it), then
+    each job in a transaction of its own: one job's error costs that job only (it
+    stays paused, logged, and the next scan tries it again), and a job another
+    transaction holds (an edit) is skipped, not waited for."""
+    from jobs.services import job_resume_due
+
+    due = (
+        Job.objects.filter(paused=True, paused_until__isnull=False, paused_until__lte=now)
+        .annotate(part=Mod("id", settings.SCHEDULER_PARTITIONS))
+        .filter(part__in=parts)
+        .order_by("paused_until")
+        .values_list("pk", flat=True)[:batch]
+    )
+    for job_id in list(due):
+        try:
+            with transaction.atomic():
+                resumed = job_resume_due(job_id=job_id, now=now)
+        except _STORE_ERRORS:
+            raise
+        except Exception:  # noqa: BLE001 - this job's failure only
+            logger.error("job_%s could not be resumed at its paused_until; next scan", job_id, exc_info=True)
+            continue
+        if resumed is not None:
+            result.resumed.append(job_id)
 
 
 def _recover(parts: list[int], now: datetime, batch: int, result: ScanResult) -> None:

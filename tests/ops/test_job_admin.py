@@ -181,3 +181,36 @@ def test_the_add_page_creates_the_job_and_its_first_run(operator_client: Client,
     assert job.owner == owner and Run.objects.filter(job=job, status=S.SCHEDULED).count() == 1
     bad = operator_client.post(f"{LIST}add/", {**data, "schedule": "", "name": "no-timing"})
     assert "one of schedule" in str(bad.context["adminform"].form.errors)
+
+
+def test_the_edit_page_shows_and_saves_overlap_pause_after_failures_and_paused_until(
+    operator_client: Client, owner: Any
+) -> None:
+    job = new_job(owner)
+    page = operator_client.get(f"{LIST}{job.pk}/change/").content.decode()
+    assert 'name="overlap"' in page and 'name="pause_after_failures"' in page and 'name="paused_until"' in page
+    response = operator_client.post(
+        f"{LIST}{job.pk}/change/",
+        form_data(operator_client, job, overlap="buffer_one", pause_after_failures="4", paused="on",
+                  paused_until="2099-01-01T00:00:00Z"),
+    )
+    assert response.status_code == 302, response.context["adminform"].form.errors
+    job.refresh_from_db()
+    assert (job.overlap, job.pause_after_failures, job.paused) == ("buffer_one", 4, True)
+    assert job.paused_until is not None and job.paused_until.year == 2099
+    page = operator_client.get(f"{LIST}{job.pk}/change/").content.decode()
+    assert "2099-01-01T00:00:00Z" in page
+
+
+def test_paused_until_on_a_job_left_running_is_a_form_error_in_the_apis_words(
+    operator_client: Client, owner: Any
+) -> None:
+    job = new_job(owner)
+    response = operator_client.post(
+        f"{LIST}{job.pk}/change/", form_data(operator_client, job, paused_until="2099-01-01T00:00:00Z")
+    )
+    assert response.status_code == 200
+    errors = response.context["adminform"].form.errors
+    assert "only a paused job resumes by itself" in " ".join(errors.get("paused_until", [])), errors
+    job.refresh_from_db()
+    assert not job.paused and job.paused_until is None

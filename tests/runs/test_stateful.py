@@ -23,10 +23,20 @@ spreading inside the window, retry delays, the dead list's requeue, target pause
 breakers and bulkheads (the breaker is set out of reach), and times that passed while
 a run was in flight before an edit (no row is required for those).
 
+The run lifecycle's job policies are in it too: `overlap` (skip, buffer_one; changed
+by an edit rule): a `skipped` row with reason overlap is a time that passed while a run
+of its job was in flight (from that run's claim to its outcome, written by that
+outcome), and the run that outcome made is the next future time (skip) or the latest
+passed one (buffer_one); `pause_after_failures`: the model counts each job's normal
+runs that ended dead in a row (a success starts again) and says when the job has
+paused itself (with its audit entry); `paused_until`: a rule pauses a job until a time,
+and the first scan at or after it resumes it (with its audit entry).
+
 Run it longer with `--hypothesis-profile=long` (tests/conftest.py registers the profiles).
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Iterator
@@ -38,7 +48,8 @@ from django.conf import settings as django_settings
 from django.db import connection, transaction
 from django.test import override_settings
 from django.utils import timezone
-from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis import HealthCheck, event, settings, strategies as st
+from hypothesis.control import currently_in_test_context
 from hypothesis.stateful import (
     Bundle,
     RuleBasedStateMachine,
@@ -50,7 +61,7 @@ from hypothesis.stateful import (
 )
 
 from jobs import schedule
-from jobs.models import Job
+from jobs.models import AuditEntry, Job
 from jobs.ops import TriggerRefused, job_trigger
 from jobs.services import (
     BackfillError,
@@ -79,6 +90,8 @@ SCHEDULES = ["*/5 * * * *", "*/2 * * * *", "0 * * * *", "0 0 1 1 *", "30 21 * * 
 EDITED_SCHEDULES = ["*/5 * * * *", "*/2 * * * *", "*/5 * * * *", "0 * * * *", "0 0 1 1 *", "30 21 * * *"]
 ZONES = ["UTC", "Europe/London", "America/New_York"]
 MISFIRES = ["skip", "run_once", "run_all"]
+OVERLAPS = ["skip", "buffer_one"]
+IN_FLIGHT = "passed while the job's run was in flight"  # the start of an overlap row's last_error
 ANSWERS = {"ok": (200, 0.0), "fail": (500, 0.0), "hang": (200, 1.3)}  # hang: past the 1 s timeout
 OUTCOME_EVENTS = ("succeeded", "dead", "retry_scheduled")
 WORKER_OUTCOMES = {"succeeded", "retry_scheduled", "dead", "not_claimed", "bulkhead_wait"}
@@ -99,6 +112,13 @@ class ChosenAnswerTarget(LoopbackTarget):
 
     def _answer(self, path: str) -> tuple[int, float, dict[str, str]]:
         return self.answer[0], self.answer[1], {}
+
+
+def note(what: str) -> None:
+    """Counted in hypothesis's statistics (--hypothesis-show-statistics) when the
+    machine runs under hypothesis; the replays below run it step by step, outside."""
+    if currently_in_test_context():
+        event(what)
 
 
 # --------------------------------------------------------------------------- the reference model
@@ -138,6 +158,28 @@ class ModelJob:
     paused: bool = False
     deleted: bool = False
     carried: set[int] = field(default_factory=set)  # runs in flight at an edit: the old timing's
+    # (from when, policy): the overlap policy in force for outcomes written after `from when`.
+    overlaps: list[tuple[datetime, str]] = field(default_factory=list)
+    pause_after_failures: int = 0
+    dead_in_a_row: int = 0  # its normal runs that ended dead since the last success
+    paused_itself: int = 0  # times it paused itself (each with an audit entry)
+    paused_until: datetime | None = None
+    resumed_itself: int = 0  # times the scanner resumed it at its paused_until
+
+    def overlap_at(self, t: datetime) -> str:
+        return [policy for since, policy in self.overlaps if since <= t][-1]
+
+    def ended(self, outcome: str) -> None:
+        """A normal run of the job ended (its outcome landed): pause_after_failures."""
+        if outcome == "succeeded":
+            self.dead_in_a_row = 0
+        elif outcome == "dead":
+            self.dead_in_a_row += 1
+            limit = self.pause_after_failures
+            if limit and self.dead_in_a_row >= limit and not (self.paused or self.deleted) and self.current.cron:
+                self.paused = True
+                self.paused_itself += 1
+                note("a job paused itself")
 
     @property
     def current(self) -> Segment:
@@ -237,20 +279,26 @@ class SchedulerMachine(RuleBasedStateMachine):
         misfire=st.sampled_from(MISFIRES),
         window=st.sampled_from([0, 0, 30, 300]),
         later=st.integers(1, 7200),
+        overlap=st.sampled_from(OVERLAPS),
+        failures=st.sampled_from([0, 0, 1, 2]),
+        retries=st.sampled_from([1, 1, 0]),
     )
 
     @initialize(target=jobs, **NEW_JOB)
-    def first_job(self, kind: str, cron: str, zone: str, misfire: str, window: int, later: int) -> int:
+    def first_job(self, kind: str, cron: str, zone: str, misfire: str, window: int, later: int,
+                  overlap: str = "skip", failures: int = 0, retries: int = 1) -> int:
         """Every example starts with a job, so that its steps have something to act on."""
-        return self.create_job(kind, cron, zone, misfire, window, later)
+        return self.create_job(kind, cron, zone, misfire, window, later, overlap, failures, retries)
 
     @precondition(lambda self: len(self.model) < 3)
     @rule(target=jobs, **NEW_JOB)
-    def create_job(self, kind: str, cron: str, zone: str, misfire: str, window: int, later: int) -> int:
+    def create_job(self, kind: str, cron: str, zone: str, misfire: str, window: int, later: int,
+                   overlap: str = "skip", failures: int = 0, retries: int = 1) -> int:
         now = self.now()
         fields: dict[str, Any] = {"name": "m", "target": self.target.url("/pending"), "timezone": zone,
                                   "misfire": misfire, "window_seconds": window, "timeout_seconds": 1,
-                                  "retry_max": 1, "retry_base_seconds": 1}
+                                  "retry_max": retries, "retry_base_seconds": 1, "overlap": overlap,
+                                  "pause_after_failures": failures}
         if kind == "cron":
             fields["schedule"] = cron
         elif kind == "at":  # a whole minute, as a user writes it
@@ -260,7 +308,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         job = job_create(owner=self.owner, fields=fields, now=now)
         Job.objects.filter(pk=job.pk).update(target=self.path(job.pk))
         seg = Segment(start=now, cron=job.schedule, zone=zone, run_at=job.run_at)
-        self.model[job.pk] = ModelJob(pk=job.pk, misfire=misfire, window=window, segments=[seg])
+        self.model[job.pk] = ModelJob(pk=job.pk, misfire=misfire, window=window, segments=[seg],
+                                      overlaps=[(now, overlap)], pause_after_failures=failures)
         return job.pk
 
     @rule(job=jobs, kind=st.sampled_from(["cron", "cron", "at", "zone"]), cron=st.sampled_from(EDITED_SCHEDULES),
@@ -302,15 +351,40 @@ class SchedulerMachine(RuleBasedStateMachine):
             if waiting is not None and (waiting.status != S.SCHEDULED or waiting.attempt > 0):
                 mj.carried.add(waiting.pk)  # on its way: it keeps the old timing
 
+    @rule(job=jobs, overlap=st.sampled_from(OVERLAPS), failures=st.sampled_from([0, 1, 2]))
+    def edit_lifecycle(self, job: int, overlap: str, failures: int) -> None:
+        """A PATCH of the overlap policy and pause_after_failures."""
+        mj, now = self.model[job], self.now()
+        try:
+            job_update(job=self.job(job), fields={"overlap": overlap, "pause_after_failures": failures}, now=now)
+        except ValueError:
+            assert mj.deleted, "an edit of a live job was refused"
+            return
+        mj.overlaps.append((now, overlap))
+        mj.pause_after_failures = failures
+
     @rule(job=jobs)
     def pause(self, job: int) -> None:
         job_pause(job=self.job(job), now=self.now())
         self.model[job].paused = True
 
+    @rule(job=jobs, minutes=st.sampled_from([1, 5, 61]))
+    def pause_until(self, job: int, minutes: int) -> None:
+        """PATCH {"paused": true, "paused_until": now + minutes}."""
+        mj, now = self.model[job], self.now()
+        until = now + timedelta(minutes=minutes)
+        try:
+            job_update(job=self.job(job), fields={"paused": True, "paused_until": until}, now=now)
+        except ValueError:
+            assert mj.deleted, "pausing a live job until a time was refused"
+            return
+        mj.paused, mj.paused_until = True, until
+
     @rule(job=jobs)
     def resume(self, job: int) -> None:
         job_resume(job=self.job(job), now=self.now())
         self.model[job].paused = False
+        self.model[job].paused_until = None
 
     @rule(job=jobs)
     def delete(self, job: int) -> None:
@@ -348,7 +422,16 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def scan(self) -> None:
         now = self.now()
-        scan_once(partitions=frozenset(range(django_settings.SCHEDULER_PARTITIONS)), now=now, publish=False)
+        result = scan_once(partitions=frozenset(range(django_settings.SCHEDULER_PARTITIONS)), now=now, publish=False)
+        # A paused job whose paused_until has come is resumed by this very scan.
+        due = {mj.pk for mj in self.model.values()
+               if mj.paused and mj.paused_until is not None and mj.paused_until <= now and not mj.deleted}
+        assert set(result.resumed) == due, f"resumed {result.resumed}, the model says {sorted(due)}"
+        for pk in due:
+            mj = self.model[pk]
+            mj.paused, mj.paused_until = False, None
+            mj.resumed_itself += 1
+            note("a job resumed at its paused_until")
         expired = Run.objects.filter(status=S.RUNNING, lease_expires_at__lt=now)
         assert not expired.exists(), "a scan left a run whose lease ran out running"
         waiting = Run.objects.filter(status=S.SCHEDULED, held=False, due_at__lte=now, attempt=0, is_backfill=False)
@@ -388,9 +471,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.target.answer = ANSWERS[answer]
         # Batches as the scanner publishes them: at most a host's bulkhead of runs each.
         size = max(1, min(django_settings.SCHEDULER_DISPATCH_BATCH, django_settings.SCHEDULER_TARGET_CONCURRENCY))
+        normal = dict(Run.objects.filter(pk__in=ids, is_backfill=False).values_list("pk", "job_id"))
         for start in range(0, len(ids), size):
             outcomes = run_execute_many(run_ids=ids[start : start + size], worker="batch-worker")
             assert set(outcomes.values()) <= WORKER_OUTCOMES, outcomes
+            for run_id, outcome in outcomes.items():
+                if run_id in normal:
+                    self.model[normal[run_id]].ended(outcome)
 
     @rule(many=st.booleans())
     def claim(self, many: bool) -> None:
@@ -425,13 +512,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert got == [], "a second holder took a live lease"
 
     @precondition(lambda self: bool(self.in_flight))
-    @rule(data=st.data(), answer=st.sampled_from(ANSWER_CHOICES))
-    def answer(self, data: st.DataObject, answer: str) -> None:
-        """A slow worker's call is made now, answered as chosen, and its outcome recorded."""
-        self.answer_call(data.draw(st.sampled_from(self.in_flight)), answer)
+    @rule(data=st.data(), answer=st.sampled_from(ANSWER_CHOICES), lasts=st.sampled_from([0, 0, 0, 150, 400]))
+    def answer(self, data: st.DataObject, answer: str, lasts: int) -> None:
+        """A slow worker's call is made now, answered as chosen after `lasts` seconds (on
+        the clock; nobody scans meanwhile, so its lease is not taken over), and its
+        outcome recorded: a long call, over which the job's next times pass."""
+        self.answer_call(data.draw(st.sampled_from(self.in_flight)), answer, lasts)
 
-    def answer_call(self, flight: InFlight, answer: str) -> None:
+    def answer_call(self, flight: InFlight, answer: str, lasts: int = 0) -> None:
         self.in_flight.remove(flight)
+        self.traveller.shift(lasts)
         call = flight.call
         current = Run.objects.get(pk=call.run.pk)
         stale = current.status != S.RUNNING or current.fence != call.claim.fence
@@ -441,6 +531,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             call.result = run_services._call_one(call)
         [outcome] = run_record_outcomes([call]).values()
         assert (outcome == "stale_write_rejected") == stale, (outcome, stale)
+        if not call.run.is_backfill:
+            self.model[flight.job_key].ended(outcome)
 
     # ---------------------------------------------------------------- invariants
 
@@ -456,6 +548,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         timeline: dict[int, list[RunEvent]] = {}
         for ev in RunEvent.objects.filter(run__job_id__in=list(self.model)).order_by("id"):
             timeline.setdefault(ev.run_id, []).append(ev)
+        audited = Counter(AuditEntry.objects.filter(actor="scheduler").values_list("object_id", "action"))
         for pk, mj in self.model.items():
             state = mj.expected_state(rows[pk])
             check_state(mj, jobs[pk], state)
@@ -465,6 +558,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             check_runs_follow_their_timing(mj, rows[pk])
             check_every_due_time_has_a_row(mj, rows[pk], timeline)
             check_misfire_grace(mj, rows[pk])
+            check_overlap(mj, rows[pk], timeline)
+            check_lifecycle(mj, jobs[pk], audited)
         for run in (r for job_rows in rows.values() for r in job_rows):
             check_lease(run, timeline.get(run.pk, []), now)
             check_fences(run, timeline.get(run.pk, []))
@@ -559,12 +654,66 @@ def check_misfire_grace(mj: ModelJob, rows: list[Run]) -> None:
     max(scheduled_for + window, due_at) + SCHEDULER_MISFIRE_GRACE (CONTRACT.md)."""
     grace = timedelta(seconds=django_settings.SCHEDULER_MISFIRE_GRACE)
     for run in rows:
-        if run.status != S.SKIPPED or run.finished_at is None:
-            continue
+        if run.status != S.SKIPPED or run.finished_at is None or run.last_error.startswith(IN_FLIGHT):
+            continue  # an overlap row is check_overlap's
         deadline = schedule.misfire_deadline(
             scheduled_for=run.scheduled_for, due_at=run.due_at, window=timedelta(seconds=mj.window), grace=grace
         )
         assert run.finished_at > deadline, f"job {mj.pk}: {describe([run])} skipped inside its window plus grace"
+
+
+def check_overlap(mj: ModelJob, rows: list[Run], timeline: dict[int, list[RunEvent]]) -> None:
+    """A `skipped` row with reason overlap is a time that passed while a normal run of
+    its job was in flight: from that run's claim to its outcome, which wrote the row.
+    The run that outcome made (its `next_scheduled_for`) is, under skip, a time after
+    the outcome; under buffer_one, the latest time that passed (unless another row
+    already had that time: then the next after it)."""
+    flights: dict[str, list[Run]] = {}
+    for row in rows:
+        if row.status == S.SKIPPED and row.last_error.startswith(IN_FLIGHT):
+            said = [e for e in timeline.get(row.pk, []) if e.type == "skipped" and e.detail.get("reason") == "overlap"]
+            assert said, f"{describe([row])}: no skipped event with reason overlap"
+            flights.setdefault(said[0].detail["in_flight"], []).append(row)
+    by_id = {r.public_id: r for r in rows}
+    for flight, skipped in flights.items():
+        ran = by_id.get(flight)
+        assert ran is not None and not ran.is_backfill and ran.status in (S.SUCCEEDED, S.DEAD), (
+            f"job {mj.pk}: overlap rows {describe(skipped)} name {flight}, not an ended run of the job"
+        )
+        ended_at = ran.finished_at
+        assert ran.started_at is not None and ended_at is not None
+        assert all(r.finished_at == ended_at for r in skipped), f"{describe(skipped)} not written by {flight}'s outcome"
+        for row in skipped:
+            assert ran.started_at <= row.scheduled_for <= ended_at, (
+                f"job {mj.pk}: {describe([row])} skipped for overlap outside {describe([ran])}'s flight "
+                f"({ran.started_at:%H:%M:%S} to {ended_at:%H:%M:%S})"
+            )
+        told = [e for e in timeline.get(ran.pk, []) if e.type in ("succeeded", "dead")]
+        nxt = told[-1].detail.get("next_scheduled_for") if told else None
+        if nxt is None:
+            continue  # deleted, or a one-off: no next run
+        nxt_at = datetime.fromisoformat(nxt.replace("Z", "+00:00"))
+        latest = max(r.scheduled_for for r in skipped)
+        policy = mj.overlap_at(ended_at)
+        note(f"overlap rows under {policy}")
+        if policy == "skip" or nxt_at > ended_at:
+            assert nxt_at > ended_at, f"job {mj.pk} (overlap skip): its next run {nxt} has passed at {ended_at}"
+            if policy == "buffer_one":  # the latest time had a row already
+                assert any(latest < r.scheduled_for <= ended_at and r.status != S.SKIPPED for r in rows), (
+                    f"job {mj.pk} (buffer_one): nothing ran for the latest time before {ended_at}"
+                )
+        else:
+            assert latest < nxt_at <= ended_at, f"job {mj.pk} (buffer_one): next run {nxt}, skipped up to {latest}"
+
+
+def check_lifecycle(mj: ModelJob, job: Job, audited: Counter[tuple[str, str]]) -> None:
+    """The job paused itself, and was resumed at its paused_until, as often as the
+    model says, each with its audit entry (actor: the scheduler); its paused_until is
+    the model's."""
+    paused, resumed = audited[(job.public_id, "paused")], audited[(job.public_id, "resumed")]
+    assert paused == mj.paused_itself, f"job {mj.pk} paused itself {paused} times, the model says {mj.paused_itself}"
+    assert resumed == mj.resumed_itself, f"job {mj.pk} resumed itself {resumed} times, the model says {mj.resumed_itself}"
+    assert job.paused_until == mj.paused_until, f"job {mj.pk}: paused_until {job.paused_until}, model {mj.paused_until}"
 
 
 def check_lease(run: Run, timeline: list[RunEvent], now: datetime) -> None:
@@ -700,3 +849,43 @@ def test_the_model_finds_no_runnable_next_run_after_a_delete_or_pause_during_the
         (action, {"job": 1}),
         ("answer", {"answer": "ok"}),
     ])
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(SCHEDULER_BREAKER_FAILURES=10**6, SCHEDULER_MISFIRE_GRACE=60, SCHEDULER_LEASE_SECONDS=60)
+@pytest.mark.parametrize("overlap", ["skip", "buffer_one"])
+def test_the_model_checks_the_times_a_long_call_spans_under_each_overlap_policy(
+    target: ChosenAnswerTarget, overlap: str
+) -> None:
+    """A */5 job's call lasts an hour (claimed, the clock on 3600 s, then answered):
+    eleven times pass in flight, and the model's overlap check reads their rows."""
+    owner, _ = service_account_ensure(name="stateful", email="stateful@example.test")
+    replay(owner, target, [
+        ("first_job", {**FIRST_JOB, "overlap": overlap}),
+        ("claim", {"many": False}),
+        ("advance_clock", {"seconds": 3000}),
+        ("answer", {"answer": "ok", "lasts": 600}),
+        ("scan", {}),
+        ("worker_batch", {"answer": "ok"}),
+    ])
+    assert Run.objects.filter(last_error__startswith=IN_FLIGHT).count() == (12 if overlap == "skip" else 11)
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(SCHEDULER_BREAKER_FAILURES=10**6, SCHEDULER_MISFIRE_GRACE=60, SCHEDULER_LEASE_SECONDS=60)
+def test_the_model_follows_a_job_that_pauses_itself_and_one_paused_until_a_time(target: ChosenAnswerTarget) -> None:
+    owner, _ = service_account_ensure(name="stateful", email="stateful@example.test")
+    replay(owner, target, [
+        ("first_job", {**FIRST_JOB, "failures": 1}),
+        ("worker_batch", {"answer": "fail"}),  # retry_scheduled
+        ("worker_batch", {"answer": "fail"}),  # dead: the job pauses itself
+        ("resume", {"job": 1}),
+        ("pause_until", {"job": 1, "minutes": 5}),
+        ("advance_clock", {"seconds": 299}),
+        ("scan", {}),
+        ("advance_clock", {"seconds": 1}),
+        ("scan", {}),  # resumed
+        ("worker_batch", {"answer": "ok"}),
+    ])
+    assert AuditEntry.objects.filter(actor="scheduler", action="paused").count() == 1
+    assert AuditEntry.objects.filter(actor="scheduler", action="resumed").count() == 1
