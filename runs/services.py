@@ -446,7 +446,8 @@ def _claim_and_call(
         now = claims.store_now()
         taken = claims.claim_many(run_ids=[r.pk for r in runs], worker=worker, lease=lease)
         events.record_many(
-            events.event(c.run_id, "claimed", now, fence=c.fence, worker=worker, attempt=c.attempt) for c in taken
+            (events.event(c.run_id, "claimed", now, fence=c.fence, worker=worker, attempt=c.attempt) for c in taken),
+            runs={r.pk: r for r in runs},  # as read before the claim: a first start has no started_at yet
         )
     by_id = {c.run_id: c for c in taken}
     calls = []
@@ -714,7 +715,7 @@ def _record_outcomes(calls: list[Call]) -> dict[int, str]:
                                           **then))
                 outcomes[run.pk] = "dead"
                 transaction.on_commit(lambda pk=run.pk, why=reason: notify_dead(run_id=pk, reason=why))
-        events.record_many(found)
+        events.record_many(found, runs={call.run.pk: call.run for call in calls})
     return outcomes
 
 

@@ -329,7 +329,7 @@ def _misfire(run: Run, now: datetime, result: ScanResult) -> bool:
         Run.objects.filter(pk=run.pk, status=S.SCHEDULED).update(status=S.SKIPPED, finished_at=now)
         found.append(events.event(run.pk, "skipped", now, reason=f"misfire policy {job.misfire}"))
         result.skipped += 1
-    events.record_many(found)
+    events.record_many(found, runs={run.pk: run})
     _skip_times(job, decision.skipped_times, now, result)
     if not decision.run_late:
         # The one next-run decision, after the skipped rows are written: the first
@@ -375,7 +375,10 @@ def _skip_times(job: Job, times: list[datetime], now: datetime, result: ScanResu
     created = Run.objects.bulk_create(rows)
     if created and created[0].pk is None:  # backends without RETURNING on bulk insert
         created = list(Run.objects.filter(job=job, scheduled_for__in=[r.scheduled_for for r in rows]))
-    events.record_many(events.event(r.pk, "skipped", now, reason=f"misfire policy {job.misfire}") for r in created)
+    events.record_many(
+        (events.event(r.pk, "skipped", now, reason=f"misfire policy {job.misfire}") for r in created),
+        runs={r.pk: r for r in created},
+    )
     result.skipped += len(created)
 
 
