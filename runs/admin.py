@@ -78,9 +78,15 @@ class LateFilter(admin.SimpleListFilter):
     parameter_name = "late"
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        return [("yes", "late (started past its deadline, or waiting past it now)"), ("no", "on time")]
+        return [
+            ("now", "late now (waiting past its deadline)"),
+            ("yes", "late (started past its deadline, or waiting past it now)"),
+            ("no", "on time"),
+        ]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Run]) -> QuerySet[Run]:
+        if self.value() == "now":
+            return queryset.filter(metrics.late_now_q(timezone.now()))
         if self.value() not in ("yes", "no"):
             return queryset
         annotated = metrics.with_lateness(queryset, timezone.now())
@@ -102,6 +108,38 @@ class DeadFilter(admin.SimpleListFilter):
         if value == "handled":
             return queryset.filter(status=S.DEAD, handled_at__isnull=False)
         return queryset.filter(status=S.DEAD) if value == "all" else queryset
+
+
+class DueFilter(admin.SimpleListFilter):
+    title = "due"
+    parameter_name = "due"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("now", "due now (the next scan queues it)"), ("soon", "due in the next minute")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Run]) -> QuerySet[Run]:
+        now = timezone.now()
+        if self.value() == "soon":
+            return queryset.filter(metrics.due_soon_q(now))
+        if self.value() == "now":
+            return queryset.filter(status=S.SCHEDULED, held=False, due_at__lte=now)
+        return queryset
+
+
+class HoldFilter(admin.SimpleListFilter):
+    title = "held by"
+    parameter_name = "hold"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("pause", "a pause (job or target)"), ("breaker", "a breaker not closed")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Run]) -> QuerySet[Run]:
+        if self.value() == "pause":
+            return queryset.filter(status__in=(S.SCHEDULED, S.QUEUED), held=True)
+        if self.value() == "breaker":
+            hosts = metrics.breaker_hosts()
+            return queryset.filter(metrics.held_by_breaker_q(hosts)) if hosts else queryset.none()
+        return queryset
 
 
 class RetriedFilter(admin.SimpleListFilter):
@@ -141,7 +179,18 @@ class RunAdmin(admin.ModelAdmin):
         "told",
         "handled",
     )
-    list_filter = ("status", DeadFilter, LateFilter, RetriedFilter, JobFilter, TargetHostFilter, "is_backfill", "held")
+    list_filter = (
+        "status",
+        DeadFilter,
+        LateFilter,
+        DueFilter,
+        HoldFilter,
+        RetriedFilter,
+        JobFilter,
+        TargetHostFilter,
+        "is_backfill",
+        "held",
+    )
     search_fields = ("job__name",)
     search_help_text = "Job name, or a run id (run_5521 or 5521)."
     list_select_related = ("job",)

@@ -1,5 +1,7 @@
-"""The admin's system page, `/admin/system/`: which scanner holds which partitions,
-queue depth, runs late now, lag from due to start, per-target bulkhead and breaker.
+"""The admin's own pages: the dashboard at the top of `/admin/` (runs.dashboard), and
+the system page, `/admin/system/`: which scanner holds which partitions, queue
+depth, runs late now, lag from due to start, per-target bulkhead and breaker, and
+the workers' heartbeats.
 
 Registered on the default admin site through its get_urls (the project keeps
 Django's own AdminSite, so `/admin/jobs/job/` and `/admin/runs/run/` stay put).
@@ -18,7 +20,7 @@ from django.template.response import TemplateResponse
 from django.urls import path
 from django.utils import timezone
 
-from runs import metrics
+from runs import dashboard, metrics
 from runs.models import PausedTarget
 
 
@@ -47,6 +49,17 @@ def system_view(request: HttpRequest) -> HttpResponse:
     return TemplateResponse(request, "admin/system.html", context)
 
 
+def _with_dashboard(index: Any) -> Any:
+    def view(request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        context = dict(extra_context or {})
+        if request.user.has_perm("runs.view_run"):
+            board = dashboard.dashboard()
+            context.update(dashboard=board, charts=board.charts())
+        return index(request, extra_context=context)
+
+    return view
+
+
 def _with_system_page(get_urls: Any) -> Any:
     def urls() -> list[Any]:
         return [path("system/", admin.site.admin_view(system_view), name="system"), *get_urls()]
@@ -55,3 +68,8 @@ def _with_system_page(get_urls: Any) -> Any:
 
 
 admin.site.get_urls = _with_system_page(admin.site.get_urls)  # type: ignore[method-assign]
+admin.site.index = _with_dashboard(admin.site.index)  # type: ignore[method-assign]
+# Titled for the product, not "Django administration".
+admin.site.site_header = "Scheduler"
+admin.site.site_title = "Scheduler admin"
+admin.site.index_title = "Dashboard"
