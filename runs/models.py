@@ -252,6 +252,8 @@ class RunRollup(models.Model):
                 fields=["minute", "kind", "reason", "host", "job_id", "shard"], name="run_rollups_key"
             )
         ]
+        # The dashboard reads a few kinds over a range of minutes.
+        indexes = [models.Index(fields=["kind", "minute"], name="run_rollups_kind_idx")]
 
     def __str__(self) -> str:
         return f"{self.minute:%Y-%m-%dT%H:%MZ} {self.kind} {self.n}"

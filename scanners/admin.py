@@ -20,7 +20,7 @@ from django.template.response import TemplateResponse
 from django.urls import path
 from django.utils import timezone
 
-from runs import dashboard, metrics
+from runs import dashboard, metrics, workers
 from runs.models import PausedTarget
 
 
@@ -44,6 +44,8 @@ def system_view(request: HttpRequest) -> HttpResponse:
         "targets": metrics.target_states(now),
         "concurrency": settings.SCHEDULER_TARGET_CONCURRENCY,
         "paused_targets": list(PausedTarget.objects.order_by("host")[:200]),
+        "workers": workers.worker_figures(now),
+        "heartbeat": workers.interval(),
         "grace": settings.SCHEDULER_MISFIRE_GRACE,
     }
     return TemplateResponse(request, "admin/system.html", context)

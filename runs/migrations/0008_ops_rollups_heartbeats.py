@@ -110,5 +110,9 @@ class Migration(migrations.Migration):
             model_name='runrollup',
             constraint=models.UniqueConstraint(fields=('minute', 'kind', 'reason', 'host', 'job_id', 'shard'), name='run_rollups_key'),
         ),
+        migrations.AddIndex(
+            model_name='runrollup',
+            index=models.Index(fields=['kind', 'minute'], name='run_rollups_kind_idx'),
+        ),
         migrations.RunPython(carry_over_totals, migrations.RunPython.noop),
     ]

@@ -105,7 +105,7 @@ def jobs_for_the_list(owner: Any, target: LoopbackTarget) -> Job:
 
 
 def status_on_page(page: Any) -> str:
-    return page.locator(".field-status .readonly").inner_text().strip()
+    return page.locator("#run-status").inner_text().strip()
 
 
 def test_an_operator_finds_pauses_and_resumes_a_job_and_requeues_a_dead_run_that_then_succeeds(
@@ -180,7 +180,7 @@ def test_an_operator_finds_pauses_and_resumes_a_job_and_requeues_a_dead_run_that
 
     def succeeded_on_page() -> bool:
         page.reload()
-        return status_on_page(page) == "Succeeded"
+        return status_on_page(page) == "succeeded"
 
     wait_for(succeeded_on_page, 60, interval=1, what="the requeued run to succeed on its page")
     timeline = page.inner_text("#timeline")
