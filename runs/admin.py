@@ -140,8 +140,8 @@ class HoldFilter(admin.SimpleListFilter):
         if self.value() == "pause":
             return queryset.filter(status__in=(S.SCHEDULED, S.QUEUED), held=True)
         if self.value() == "breaker":
-            hosts = metrics.breaker_hosts()
-            return queryset.filter(metrics.held_by_breaker_q(hosts)) if hosts else queryset.none()
+            holds = metrics.breaker_holds()
+            return queryset.filter(metrics.held_by_breaker_q(holds)) if holds else queryset.none()
         return queryset
 
 

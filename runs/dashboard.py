@@ -11,10 +11,11 @@ finished runs or the timeline.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone as dt_timezone
 from urllib.parse import urlencode
 
-from django.db.models import Sum
+from django.db.models import Q, Sum
+from django.db.models.functions import Trunc
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
@@ -87,8 +88,7 @@ def now_counts(now: datetime) -> list[Count]:
     """The six "now" figures, each linking to the run list filtered to exactly that set."""
     queue = metrics.queue_figures(now)
     dead = metrics.dead_unhandled_count()
-    hosts = metrics.breaker_hosts()
-    by_breaker = metrics.held_by_breaker_count(hosts)
+    by_breaker = metrics.held_by_breaker_count(metrics.breaker_holds(now))
     return [
         Count("dead", "dead, not handled", dead, runs_url(dead="unhandled"), "dead"),
         Count("late", "late now", queue.late, runs_url(late="now"), "late"),
@@ -102,26 +102,24 @@ def now_counts(now: datetime) -> list[Count]:
 
 def _outcomes(now: datetime) -> tuple[Rate, Rate, list[tuple[datetime, int]]]:
     """Success rate over the hour and the day, and dead per hour: one query over the
-    day's `succeeded` and `dead` minutes."""
+    day's `succeeded` and `dead` minutes, summed by hour in the database (48 rows)."""
     day_start = rollups.minute_of(now - DAY) + timedelta(minutes=1)
+    hour_start = rollups.minute_of(now - HOUR) + timedelta(minutes=1)
     rows = (
         RunRollup.objects.filter(minute__gte=day_start, kind__in=("succeeded", "dead"))
-        .values("minute", "kind")
-        .annotate(total=Sum("n"))
+        .annotate(hour=Trunc("minute", "hour", tzinfo=dt_timezone.utc))
+        .values("hour", "kind")
+        .annotate(total=Sum("n"), last_hour=Sum("n", filter=Q(minute__gte=hour_start)))
         .order_by()
     )
-    hour_start = now - HOUR
     tallies = {"hour": {"succeeded": 0, "dead": 0}, "day": {"succeeded": 0, "dead": 0}}
-    first_hour = (now - DAY).replace(minute=0, second=0, microsecond=0) + HOUR
-    dead_hours = {first_hour + HOUR * i: 0 for i in range(24)}
+    first_hour = day_start.replace(minute=0)
+    dead_hours = {first_hour + HOUR * i: 0 for i in range(25)}
     for row in rows:
-        n = int(row["total"] or 0)
-        tallies["day"][row["kind"]] += n
-        if row["minute"] >= hour_start:
-            tallies["hour"][row["kind"]] += n
+        tallies["day"][row["kind"]] += int(row["total"] or 0)
+        tallies["hour"][row["kind"]] += int(row["last_hour"] or 0)
         if row["kind"] == "dead":
-            hour = row["minute"].replace(minute=0)
-            dead_hours[hour] = dead_hours.get(hour, 0) + n
+            dead_hours[row["hour"]] = dead_hours.get(row["hour"], 0) + int(row["total"] or 0)
     hour, day = (Rate(t["succeeded"], t["dead"]) for t in (tallies["hour"], tallies["day"]))
     return hour, day, sorted(dead_hours.items())
 

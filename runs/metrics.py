@@ -175,29 +175,41 @@ def dead_unhandled_count() -> int:
     return Run.objects.filter(status=S.DEAD, handled_at__isnull=True).count()
 
 
-def breaker_hosts(limit: int = 50) -> list[str]:
-    """Hosts whose breaker is open or half-open (their runs wait for it)."""
+def breaker_holds(now: datetime | None = None, limit: int = 50) -> list[tuple[str, datetime]]:
+    """(host, until) for each host whose breaker is open or half-open: its waiting runs
+    due before `until` (the next probe, or the probe's end) wait for the breaker."""
     from runs.models import TargetBreaker
 
-    return list(
-        TargetBreaker.objects.exclude(state=TargetBreaker.State.CLOSED).order_by("host").values_list("host", flat=True)[
-            :limit
-        ]
+    now = now or timezone.now()
+    rows = TargetBreaker.objects.exclude(state=TargetBreaker.State.CLOSED).order_by("host")[:limit]
+    return [(b.host, max([t for t in (b.next_probe_at, b.probe_until) if t is not None] + [now])) for b in rows]
+
+
+def held_by_breaker_q(holds: list[tuple[str, datetime]]) -> Q:
+    """Waiting runs on a host whose breaker is not closed, sent back to wait for it: due
+    after now and before it lets them through (the next probe)."""
+    from runs.ops import target_host_q
+
+    now = timezone.now()
+    on_hosts = Q()
+    for host, until in holds:
+        on_hosts |= Q(target_host_q(host, prefix="job__"), due_at__lte=until)
+    # Sent back to wait (due_at moved to the probe time), so due after now: a short range
+    # of runs_due_idx per partition, and the pattern is matched on those runs' jobs only.
+    # A run already due again is counted as due: the next worker sends it back or lets it through.
+    latest = max(until for _, until in holds) if holds else now
+    return Q(
+        on_hosts,
+        status=S.SCHEDULED,
+        held=False,
+        partition__in=list(range(settings.SCHEDULER_PARTITIONS)),
+        due_at__gt=now,
+        due_at__lte=latest,
     )
 
 
-def held_by_breaker_q(hosts: list[str]) -> Q:
-    """Waiting runs on a host whose breaker is not closed (the worker sends them back to wait)."""
-    from runs.ops import target_host_q
-
-    on_hosts = Q()
-    for host in hosts:
-        on_hosts |= target_host_q(host, prefix="job__")
-    return Q(on_hosts, status=S.SCHEDULED, held=False)
-
-
-def held_by_breaker_count(hosts: list[str]) -> int:
-    return Run.objects.filter(held_by_breaker_q(hosts)).count() if hosts else 0
+def held_by_breaker_count(holds: list[tuple[str, datetime]]) -> int:
+    return Run.objects.filter(held_by_breaker_q(holds)).count() if holds else 0
 
 
 @dataclass(frozen=True)
