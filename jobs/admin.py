@@ -378,11 +378,17 @@ class JobAdmin(admin.ModelAdmin):
         run = self._next(job)
         if run is None:
             return "-"
-        return format_html("{}<br><small>{}</small>", iso_z(run.scheduled_for), local_time(run.scheduled_for, job.timezone))
+        text = iso_z(run.scheduled_for)
+        return format_html(
+            "{}<wbr>{}<br><small>{}</small>", text[:10], text[10:], local_time(run.scheduled_for, job.timezone)
+        )
 
     @admin.display(description="runs")
     def runs_link(self, job: Job) -> str:
         return format_html('<a href="{}?job={}">runs</a>', reverse("admin:runs_run_changelist"), job.public_id)
+
+    def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
+        return super().changelist_view(request, dict(extra_context or {}, title="Jobs"))
 
     # ---- the job page: a link to its runs and its latest run, kept up to date (scheduler/live.js)
 

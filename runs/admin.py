@@ -228,6 +228,12 @@ def run_live(run: Run) -> dict[str, Any]:
 # --------------------------------------------------------------------------- runs
 
 
+def iso_wrap(value: Any) -> str:
+    """ISO 8601 UTC, allowed to wrap between the date and the time (narrow list columns)."""
+    text = iso_z(value)
+    return format_html("{}<wbr>{}", text[:10], text[10:])
+
+
 def badge(status: str, label: str | None = None) -> str:
     """A coloured status (admin.css): dead red, running blue, succeeded green, skipped and
     cancelled grey, held amber."""
@@ -245,14 +251,12 @@ class RunAdmin(admin.ModelAdmin):
     # Columns chosen to fit a 1366 px window: times two to a cell, attempt and fence together.
     list_display = (
         "public_id",
-        "job_link",
-        "target_host",
+        "job_and_host",
         "status_badge",
         "times",
         "attempt_fence",
         "ran",
-        "told",
-        "handled",
+        "dead_list",
     )
     list_filter = (
         "status",
@@ -316,6 +320,19 @@ class RunAdmin(admin.ModelAdmin):
     def target_host(self, run: Run) -> str:
         return target_host(run.job.target)
 
+    @admin.display(description="job / target host", ordering="job_id")
+    def job_and_host(self, run: Run) -> str:
+        url = reverse("admin:jobs_job_change", args=[run.job_id])
+        return format_html('<a href="{}">{}</a> {}<br><small>{}</small>', url, run.job.public_id, run.job.name,
+                           target_host(run.job.target))
+
+    @admin.display(description="told / handled")
+    def dead_list(self, run: Run) -> str:
+        if run.status != S.DEAD:
+            return "-"
+        handled = "handled" if run.handled_at is not None else "not handled"
+        return format_html("{}<br><small>{}</small>", self.told(run), handled)
+
     @admin.display(description="status", ordering="status")
     def status_badge(self, run: Run) -> str:
         return format_html('<span id="run-status">{}</span>', run_badge(run))
@@ -323,8 +340,8 @@ class RunAdmin(admin.ModelAdmin):
     @admin.display(description="scheduled for / due (UTC)", ordering="scheduled_for")
     def times(self, run: Run) -> str:
         if run.due_at == run.scheduled_for:
-            return iso_z(run.scheduled_for)
-        return format_html("{}<br>due {}", iso_z(run.scheduled_for), iso_z(run.due_at))
+            return iso_wrap(run.scheduled_for)
+        return format_html("{}<br>due {}", iso_wrap(run.scheduled_for), iso_wrap(run.due_at))
 
     @admin.display(description="attempt / fence")
     def attempt_fence(self, run: Run) -> str:
@@ -334,8 +351,8 @@ class RunAdmin(admin.ModelAdmin):
     def ran(self, run: Run) -> str:
         if run.started_at is None and run.finished_at is None:
             return "-"
-        started = iso_z(run.started_at) if run.started_at else "-"
-        return format_html("{}<br>{}", started, iso_z(run.finished_at) if run.finished_at else "-")
+        started = iso_wrap(run.started_at) if run.started_at else "-"
+        return format_html("{}<br>{}", started, iso_wrap(run.finished_at) if run.finished_at else "-")
 
     @admin.display(description="next run of the job")
     def next_run(self, run: Run) -> str:
@@ -360,6 +377,10 @@ class RunAdmin(admin.ModelAdmin):
     @admin.display(description="handled", boolean=True)
     def handled(self, run: Run) -> bool | None:
         return run.handled_at is not None if run.status == S.DEAD else None
+
+    def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
+        title = "Dead list" if request.GET.get("dead") else "Runs"
+        return super().changelist_view(request, dict(extra_context or {}, title=title))
 
     # ---- the run page: its timeline, and the dead-list buttons
 
