@@ -181,6 +181,7 @@ def test_an_operator_finds_pauses_and_resumes_a_job_and_requeues_a_dead_run_that
         return status_on_page(page) == "succeeded"
 
     wait_for(succeeded_on_page, 60, interval=1, what="the requeued run to succeed on its page")
+    page.wait_for_selector("#timeline-rows .event-succeeded")  # the page's own poller brings the last events
     timeline = page.inner_text("#timeline")
     for text in ("requeued", "HTTP 400", "HTTP 200", "succeeded", "Time in each state"):
         assert text in timeline, text

@@ -31,6 +31,7 @@ def test_the_job_list_shows_the_schedule_in_words_next_run_in_both_zones_and_las
     job = new_job(owner)
     dead_run(job, ago(days=2))
     page = operator_client.get(LIST).content.decode()
+    page = page.replace("<wbr>", "")  # the date and the time may wrap apart
     assert "every day at 02:00 Asia/Kolkata" in page
     nxt = Run.objects.get(job=job, status=S.SCHEDULED)
     assert nxt.scheduled_for.strftime("%Y-%m-%dT%H:%M:%SZ") in page  # UTC (20:30Z the day before)

@@ -99,6 +99,8 @@ class Command(BaseCommand):
         job = answer.json()
         run_id = job["next_run"]["id"]
         self.stdout.write(f"Demo job {job['id']} created; watching run {run_id} (GET /api/runs/{run_id}/):")
+        # The same run, live in the admin (it redraws itself as the run moves).
+        self.stdout.write(f"  watch it in the admin: {base}/admin/runs/run/{run_id.removeprefix('run_')}/change/")
         shown = 0
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
