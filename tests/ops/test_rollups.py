@@ -89,3 +89,17 @@ def test_a_rollup_that_cannot_be_written_does_not_fail_the_batch(owner: Any, mon
     # The events went in, the transaction is still usable, and nothing was counted.
     assert RunEvent.objects.filter(run=run, type="succeeded").count() == 1
     assert total("succeeded") == 0
+
+
+def test_prune_runs_drops_old_minutes_and_keeps_the_all_time_counters(owner: Any) -> None:
+    from runs.ops import prune_runs
+
+    job = new_job(owner)
+    old = make_run(job, ago(days=100), status=S.SUCCEEDED, is_backfill=True, finished_at=ago(days=100))
+    events.record(old.pk, "succeeded", ago(days=100))
+    recent = make_run(job, ago(minutes=5), status=S.SUCCEEDED, is_backfill=True, finished_at=ago(minutes=4))
+    events.record(recent.pk, "succeeded", ago(minutes=4))
+    prune_runs(older_than=timedelta(days=90))
+    assert not RunRollup.objects.filter(minute__lt=ago(days=90), minute__gt=rollups.TOTAL_MINUTE).exists()
+    assert RunRollup.objects.filter(minute__gte=ago(minutes=10), kind="succeeded").exists()
+    assert total("succeeded") == 2  # /metrics does not go back when history is pruned
