@@ -196,6 +196,13 @@ def test_an_operator_finds_pauses_and_resumes_a_job_and_requeues_a_dead_run_that
         return "scanner-a" in page.inner_text("#scanners")
 
     wait_for(scanner_on_page, 30, interval=1, what="the scanner on the system page")
+    # The worker process writes its own heartbeat (runs.workers, from Celery's worker_ready): alive, on the page.
+    from runs.models import WorkerHeartbeat
+
+    beat = wait_for(lambda: WorkerHeartbeat.objects.filter(name__startswith="worker-a@").first(), 30,
+                    what="the worker's heartbeat")
+    page.goto(f"{base}/admin/system/")
+    assert beat.name in page.inner_text("#workers") and page.locator("#workers tr.worker-alive").count() == 1
     assert "coordinator unreachable" not in page.inner_text("#content")
     assert "p95" in page.inner_text("#lag")  # the ping run started within the last five minutes
     page.screenshot(path=str(IMG / "admin-system.png"), full_page=True)
