@@ -205,7 +205,7 @@ def dashboard(now: datetime | None = None) -> Dashboard:
 
 # --------------------------------------------------------------------------- inline SVG
 
-W, H, PAD_L, PAD_B, PAD_T = 560, 150, 44, 22, 10
+W, H, PAD_L, PAD_B, PAD_T = 480, 150, 44, 22, 10
 
 
 def _frame(title: str, top: float, unit: str, body: str, labels: list[tuple[float, str]]) -> SafeString:
