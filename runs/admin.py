@@ -194,6 +194,7 @@ def run_live(run: Run) -> dict[str, Any]:
         "attempt": run.attempt,
         "fence": run.fence,
         "lease_owner": run.lease_owner,
+        "lease_expires_at": _iso_ms(run.lease_expires_at),
         "scheduled_for": _iso_ms(run.scheduled_for),
         "due_at": _iso_ms(run.due_at),
         "queued_at": _iso_ms(run.queued_at),

@@ -64,7 +64,7 @@
   }
 
   function drawFields(run) {
-    var names = {"attempt": run.attempt, "fence": run.fence, "lease_owner": run.lease_owner,
+    var names = {"attempt": run.attempt, "fence": run.fence, "lease_owner": run.lease_owner, "lease_expires_at": run.lease_expires_at,
                  "started_at": run.started_at, "finished_at": run.finished_at, "queued_at": run.queued_at,
                  "due_at": run.due_at, "last_error": run.last_error};
     Object.keys(names).forEach(function (name) {
