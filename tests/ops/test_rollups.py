@@ -103,3 +103,20 @@ def test_prune_runs_drops_old_minutes_and_keeps_the_all_time_counters(owner: Any
     assert not RunRollup.objects.filter(minute__lt=ago(days=90), minute__gt=rollups.TOTAL_MINUTE).exists()
     assert RunRollup.objects.filter(minute__gte=ago(minutes=10), kind="succeeded").exists()
     assert total("succeeded") == 2  # /metrics does not go back when history is pruned
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_scan_that_skips_missed_times_counts_them_by_reason_and_job(owner: Any) -> None:
+    from django.conf import settings
+
+    from scanners.scan import scan_once
+
+    job = new_job(owner, schedule="*/5 * * * *", timezone="UTC", misfire="skip")
+    late = ago(minutes=32).replace(minute=(ago(minutes=32).minute // 5) * 5, second=0)
+    Run.objects.filter(job=job, status=S.SCHEDULED).update(scheduled_for=late, due_at=late)
+    result = scan_once(partitions=list(range(settings.SCHEDULER_PARTITIONS)), publish=False)
+    assert result.skipped >= 2  # the late run and the times missed after it
+    got = samples(Client().get("/metrics").content.decode())
+    skipped = Run.objects.filter(job=job, status=S.SKIPPED).count()
+    assert got['scheduler_runs_skipped_total{reason="misfire"}'] == skipped == result.skipped
+    assert got[f'scheduler_job_runs_skipped_total{{job="{job.public_id}"}}'] == skipped
