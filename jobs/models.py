@@ -192,6 +192,7 @@ class AuditEntry(models.Model):
 
     class Meta:
         db_table = "audit_log"
+        verbose_name_plural = "audit entries"
         ordering = ["-at", "-id"]
         indexes = [models.Index(fields=["object_type", "object_id"], name="audit_object_idx")]
 

@@ -290,6 +290,8 @@ def _skip_overlapped(job: Job, plan: OverlapPlan, flight: Flight, now: datetime)
     created = Run.objects.bulk_create(rows)
     if created and created[0].pk is None:  # backends without RETURNING on bulk insert
         created = list(Run.objects.filter(job=job, scheduled_for__in=[r.scheduled_for for r in rows]))
+    # Told like any skipped run when the job's notify_on asks (runs.notices, digested).
+    notices.notices_add(notices.notice_row(job=job, kind="skipped", run=r, reason=why, now=now) for r in created)
     return [
         events.event(r.pk, "skipped", now, reason="overlap", policy=job.overlap, in_flight=format_id("run", flight.run_id),
                      passed_in_flight=plan.count)
@@ -544,7 +546,8 @@ def _claim_and_call(
         now = claims.store_now()
         taken = claims.claim_many(run_ids=[r.pk for r in runs], worker=worker, lease=lease)
         events.record_many(
-            events.event(c.run_id, "claimed", now, fence=c.fence, worker=worker, attempt=c.attempt) for c in taken
+            (events.event(c.run_id, "claimed", now, fence=c.fence, worker=worker, attempt=c.attempt) for c in taken),
+            runs={r.pk: r for r in runs},  # as read before the claim: a first start has no started_at yet
         )
     by_id = {c.run_id: c for c in taken}
     calls = []
@@ -844,7 +847,7 @@ def _record_outcomes(calls: list[Call]) -> dict[int, str]:
                 # The owner is told through the outbox, in this transaction; sent later (runs.notices).
                 dead_notices.append(notices.notice_row(job=run.job, kind="dead", run=run, reason=reason, now=now))
                 transaction.on_commit(lambda pk=run.pk, why=reason: notify_dead(run_id=pk, reason=why))
-        events.record_many(found)
+        events.record_many(found, runs={call.run.pk: call.run for call in calls})
         notices.notices_add(dead_notices)
     return outcomes
 

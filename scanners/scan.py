@@ -365,7 +365,7 @@ def _misfire(run: Run, now: datetime, result: ScanResult) -> bool:
         found.append(events.event(run.pk, "skipped", now, reason=f"misfire policy {job.misfire}"))
         notices.notice_add(job=job, kind="skipped", run=run, reason=f"misfire policy {job.misfire}", now=now)
         result.skipped += 1
-    events.record_many(found)
+    events.record_many(found, runs={run.pk: run})
     _skip_times(job, decision.skipped_times, now, result)
     if not decision.run_late:
         # The one next-run decision, after the skipped rows are written: the first
@@ -411,7 +411,10 @@ def _skip_times(job: Job, times: list[datetime], now: datetime, result: ScanResu
     created = Run.objects.bulk_create(rows)
     if created and created[0].pk is None:  # backends without RETURNING on bulk insert
         created = list(Run.objects.filter(job=job, scheduled_for__in=[r.scheduled_for for r in rows]))
-    events.record_many(events.event(r.pk, "skipped", now, reason=f"misfire policy {job.misfire}") for r in created)
+    events.record_many(
+        (events.event(r.pk, "skipped", now, reason=f"misfire policy {job.misfire}") for r in created),
+        runs={r.pk: r for r in created},
+    )
     notices.notices_add(
         notices.notice_row(job=job, kind="skipped", run=r, reason=f"misfire policy {job.misfire}", now=now)
         for r in created
