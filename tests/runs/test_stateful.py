@@ -405,8 +405,12 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(job=jobs, hours=st.integers(1, 3))
     def backfill(self, job: int, hours: int) -> None:
         now, mj = self.now(), self.model[job]
+        # A backfill reaches back no further than the job's creation (backfill_plan refuses earlier).
+        since = max(now - timedelta(hours=hours), self.job(job).created_at)
+        if since >= now:
+            return
         try:
-            plan = backfill_plan(job=self.job(job), since=now - timedelta(hours=hours), until=now, now=now)
+            plan = backfill_plan(job=self.job(job), since=since, until=now, now=now)
         except BackfillError:
             assert mj.deleted, "a backfill of a live job was refused"
             return
