@@ -81,3 +81,61 @@ def test_a_scanner_cut_off_from_zookeeper_stops_within_its_session_timeout_and_t
     assert overlaps([cut, other]) == []
     assert clean(found), found
 
+
+
+def test_a_worker_cut_off_from_postgresql_mid_call_is_taken_over_under_a_newer_fence_and_its_late_writes_refused(
+        stack: Stack, counting_target: CountingTarget) -> None:
+    lease, call = 4, 2.0
+    scan = float(stack.env["SCHEDULER_SCAN_INTERVAL"])
+    stack.env.update(SCHEDULER_LEASE_SECONDS=str(lease), SCHEDULER_REQUEUE_AFTER="5")
+    db = urlsplit(stack.env["DATABASE_URL"])
+    # Each worker reaches PostgreSQL through a proxy of its own: the one whose child
+    # claims the first run is cut off, in the middle of that run's call.
+    proxies = {name: NetProxy(db.port or 5432, db.hostname or "127.0.0.1").start() for name in ("worker-a", "worker-b")}
+    try:
+        stack.scanner("scanner")
+        workers = {name: stack.worker(name, concurrency=2,
+                                      DATABASE_URL=db._replace(netloc=f"{db.username}@{proxy.address}").geturl())
+                   for name, proxy in proxies.items()}
+        wait_for(lambda: all(" ready." in w.output() for w in workers.values()), 40, what="both workers to be ready")
+        counting_target.delay(call)
+        [first] = one_offs(counting_target.url(), first_in=0, seconds=1, per_second=1)
+        wait_for(counting_target.received, 30, what="the first run's call to reach the target")
+        claim = RunEvent.objects.get(run_id=first, type="claimed")
+        name = claim.detail["worker"].split("@", 1)[0]  # "<node name>@<host>/<pid>/<thread>"
+        cut, proxy = workers[name], proxies[name]
+        cut_at = proxy.drop()  # the call is in flight: it lands, its outcome cannot be written
+        runs = [first, *one_offs(counting_target.url(), first_in=1, seconds=8, per_second=2)]
+
+        def after_cut(type_: str, **detail: int) -> RunEvent | None:
+            close_old_connections()
+            return (RunEvent.objects.filter(run_id=first, type=type_, **{f"detail__{k}__gt": v for k, v in detail.items()})
+                    .order_by("id").first())
+
+        expired = wait_for(lambda: after_cut("lease_expired"), 3 * lease + 30, what="the scanner to take the lease back")
+        again = wait_for(lambda: after_cut("claimed", fence=1), 30, what="the other worker to claim the run")
+        wait_for(lambda: all_succeeded(runs), 60, what=f"every run to succeed ({status_counts(runs)})")
+        assert cut.alive() and proxy.dropping
+        restored_at = proxy.restore()
+        late = wait_for(lambda: after_cut("stale_write_rejected"), 30,
+                        what="the cut-off worker's late outcome to be refused")
+    finally:
+        for p in proxies.values():
+            p.stop()
+    found = verdict(runs, counting_target, once_per_key=False)
+    close_old_connections()
+    run = Run.objects.get(pk=first)
+    calls = [(a.fence, a.outcome) for a in counting_target.arrivals() if a.key == run.idempotency_key]
+    taken_back, claimed = expired.at.timestamp() - cut_at, again.at.timestamp() - cut_at
+    print(f"worker cut off from PostgreSQL mid-call: lease taken back {taken_back:.2f} s after the cut, the run "
+          f"claimed again under fence {again.detail['fence']} after {claimed:.2f} s (lease {lease} s, scan "
+          f"{scan:g} s, call {call:g} s); the target saw {calls}; the late outcome refused "
+          f"{late.at.timestamp() - restored_at:.2f} s after the link came back; {found['runs']} runs, "
+          f"missed {len(found['missed'])}, applied twice {len(found['applied_twice'])}")
+    assert run.status == Run.Status.SUCCEEDED and run.fence == again.detail["fence"]
+    # The cut-off worker's call landed and was applied; the new holder's was answered as a replay of it.
+    assert calls == [(1, "applied"), (again.detail["fence"], "replayed")], calls
+    assert late.detail["fence"] == 1
+    # The lease was last renewed before the cut: it runs out within a lease of it, and a scan later it is back.
+    assert taken_back <= lease + 2 * scan + 1, taken_back
+    assert clean(found), found
