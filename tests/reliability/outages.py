@@ -132,7 +132,6 @@ def verdict(run_ids: list[int], target: CountingTarget, *, once_per_key: bool) -
         timeline[run_id].append((at, type_, detail or {}))
     applied = target.applied()
     sent = target.calls_per_key()
-    queued = Counter(run_id for run_id, events in timeline.items() for _, t, _ in events if t == "queued")
     violations = (invariants.one_open_run_per_job() + invariants.timelines(run_ids)
                   + invariants.due_runs_settled(cutoff=datetime.now(timezone.utc))
                   + invariants.succeeded_runs_applied(applied, run_ids))
@@ -141,12 +140,26 @@ def verdict(run_ids: list[int], target: CountingTarget, *, once_per_key: bool) -
         "missed": [r.public_id for r in runs if r.status != Run.Status.SUCCEEDED],
         "applied_twice": invariants.effects_applied_once(applied),
         "recorded_applied_twice": recorded_applied_twice(timeline),
-        "queued_twice": [f"run_{pk} queued {n} times" for pk, n in queued.items() if n > 1],
+        "queued_twice": [f"run_{pk} queued while queued: " + ", ".join(f"{at:%H:%M:%S.%f} {t}" for at, t, _ in events)
+                         for pk, events in timeline.items() if queued_while_queued(events)],
         "sent_twice": [f"{key} sent {n} times" for key, n in sent.items() if n > 1] if once_per_key else [],
         "invariant_violations": violations,
     }
 
 
-def clean(found: dict[str, Any]) -> bool:
-    return not any(found[k] for k in ("missed", "applied_twice", "recorded_applied_twice", "queued_twice",
-                                      "sent_twice", "invariant_violations"))
+def queued_while_queued(events: list[tuple[datetime, str, dict[str, Any]]]) -> bool:
+    """A `queued` with no step out of `queued` since the one before it (a claim, a
+    deferral by the bulkhead or a breaker, a lease taken back): two scans queued it.
+    A run deferred after its claim is queued again, once, legitimately."""
+    last = ""
+    for _, type_, _ in events:
+        if type_ == "queued" and last == "queued":
+            return True
+        if type_ in invariants.LIFECYCLE_EVENTS and type_ != "requeued":
+            last = type_
+    return False
+
+
+def problems(found: dict[str, Any]) -> dict[str, Any]:
+    """The verdict's findings, without the empty ones: {} when nothing went wrong."""
+    return {k: v for k, v in found.items() if k != "runs" and v}

@@ -28,7 +28,7 @@ from tests.counting_target import CountingTarget
 from tests.integration.conftest import Stack, wait_for
 from tests.netproxy import NetProxy
 from tests.reliability.outages import (
-    ALL, all_succeeded, clean, first_line_after, one_offs, overlaps, owned, split, status_counts, verdict,
+    ALL, all_succeeded, first_line_after, one_offs, overlaps, owned, problems, split, status_counts, verdict,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.zookeeper]
@@ -79,7 +79,7 @@ def test_a_scanner_cut_off_from_zookeeper_stops_within_its_session_timeout_and_t
     assert taken_at >= stopped_at, "the other scanner took the partitions while the cut-off one still scanned them"
     assert taken_at - cut_at <= session + 2 * scan + 1, taken_at - cut_at
     assert overlaps([cut, other]) == []
-    assert clean(found), found
+    assert problems(found) == {}
 
 
 
@@ -138,4 +138,4 @@ def test_a_worker_cut_off_from_postgresql_mid_call_is_taken_over_under_a_newer_f
     assert late.detail["fence"] == 1
     # The lease was last renewed before the cut: it runs out within a lease of it, and a scan later it is back.
     assert taken_back <= lease + 2 * scan + 1, taken_back
-    assert clean(found), found
+    assert problems(found) == {}
