@@ -10,7 +10,8 @@ as a real partition does; nobody sees a reset. The other processes keep their li
 - A worker cut off from PostgreSQL in the middle of a call: the call lands, its
   outcome cannot be written; its lease runs out, the scanner takes it back, another
   worker claims it under a newer fence and its call is answered as a replay; when
-  the link returns the cut-off worker's late writes are refused by the fence.
+  the link returns (while the new holder's call is in flight) the cut-off worker's
+  late outcome is refused by the fence.
 
 Each prints its handover times; docs/reliability.md records them.
 """
@@ -113,12 +114,17 @@ def test_a_worker_cut_off_from_postgresql_mid_call_is_taken_over_under_a_newer_f
                     .order_by("id").first())
 
         expired = wait_for(lambda: after_cut("lease_expired"), 3 * lease + 30, what="the scanner to take the lease back")
-        again = wait_for(lambda: after_cut("claimed", fence=1), 30, what="the other worker to claim the run")
-        wait_for(lambda: all_succeeded(runs), 60, what=f"every run to succeed ({status_counts(runs)})")
+        again = wait_for(lambda: after_cut("claimed", fence=1), 30, interval=0.05,
+                         what="the other worker to claim the run")
+        # The link back while the new holder's call is in flight: the cut-off worker's
+        # outcome, held in the link all this time, reaches the store while the run is
+        # running under the newer fence, the moment a store without the fence would take it.
         assert cut.alive() and proxy.dropping
         restored_at = proxy.restore()
+        holder = Run.objects.values_list("status", "fence").get(pk=first)
         late = wait_for(lambda: after_cut("stale_write_rejected"), 30,
                         what="the cut-off worker's late outcome to be refused")
+        wait_for(lambda: all_succeeded(runs), 60, what=f"every run to succeed ({status_counts(runs)})")
     finally:
         for p in proxies.values():
             p.stop()
@@ -135,7 +141,8 @@ def test_a_worker_cut_off_from_postgresql_mid_call_is_taken_over_under_a_newer_f
     assert run.status == Run.Status.SUCCEEDED and run.fence == again.detail["fence"]
     # The cut-off worker's call landed and was applied; the new holder's was answered as a replay of it.
     assert calls == [(1, "applied"), (again.detail["fence"], "replayed")], calls
-    assert late.detail["fence"] == 1
+    assert holder == (Run.Status.RUNNING, again.detail["fence"]), holder
+    assert late.detail["fence"] == 1 and late.at < run.finished_at
     # The lease was last renewed before the cut: it runs out within a lease of it, and a scan later it is back.
     assert taken_back <= lease + 2 * scan + 1, taken_back
     assert problems(found) == {}
