@@ -53,6 +53,14 @@ def srvr(port: int, timeout: float = 2.0) -> str:
         return ""
 
 
+def connections(port: int) -> int:
+    """Client connections the node has, this `srvr` one left out (-1: no answer)."""
+    for line in srvr(port).splitlines():
+        if line.startswith("Connections: "):
+            return int(line.split(": ", 1)[1]) - 1
+    return -1
+
+
 def mode(port: int) -> str:
     """leader, follower, or "" (down, or not serving: no quorum)."""
     for line in srvr(port).splitlines():

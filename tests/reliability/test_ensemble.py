@@ -28,7 +28,7 @@ from tests.reliability.outages import (
     all_succeeded, events_between, first_line_after, one_offs, overlaps, problems, split, status_counts,
     uncovered, verdict,
 )
-from tests.zkensemble import JAR, Ensemble
+from tests.zkensemble import JAR, Ensemble, connections
 
 pytestmark = [pytest.mark.integration, pytest.mark.zookeeper]
 
@@ -63,19 +63,24 @@ def test_the_ensemble_loses_its_leader_a_follower_and_then_quorum_and_no_run_is_
     figures: dict[str, str] = {}
 
     def one_down(label: str, node: int) -> None:
+        clients = connections(ensemble.client[node])  # scanners connected to it (nothing else connects)
         killed_at = ensemble.kill(node)
         quorum_at = ensemble.wait_for_quorum(30)
-        # Whoever was connected to it reconnects elsewhere, its session (and locks) intact.
+        # Whoever was connected to it sees its socket close at once and reconnects to
+        # another node, its session (and so its locks) intact. Watched for half a session.
+        wait_for(lambda: time.time() > killed_at + session / 2, session, what="half a session")
         settled = wait_for(lambda: split(scanners) and time.time(), 3 * session,
                            what=f"the scanners to hold every partition after the {label} was killed")
         gaps = uncovered(scanners, killed_at, settled)
         ensemble.start_node(node)
         back_at = ensemble.wait_for_quorum(30)
-        figures[label] = (f"{label} killed: a leader again after {quorum_at - killed_at:.2f} s; partitions "
-                          f"unscanned for {sum(b - a for a, b in gaps):.2f} s; node back in {back_at - killed_at:.2f} s")
+        figures[label] = (f"{label} killed ({clients} scanner connections on it): a leader again after "
+                          f"{quorum_at - killed_at:.2f} s; partitions unscanned for "
+                          f"{sum(b - a for a, b in gaps):.2f} s; node back in {back_at - killed_at:.2f} s")
 
     one_down("leader", ensemble.leader() or 0)
-    one_down("follower", ensemble.followers()[0])
+    # The follower most scanners are connected to (the leader's went to the followers).
+    one_down("follower", max(ensemble.followers(), key=lambda n: connections(ensemble.client[n])))
 
     # Two of three: the last node stops serving; every scanner must stop scanning.
     doomed = ensemble.followers()[:1] + [ensemble.leader() or 0]
