@@ -3,7 +3,8 @@ worker, with one-off runs coming due all along: the leader killed (kill -9), a
 follower killed, then two nodes killed at once (quorum lost), each started again.
 
 - One node down: the ensemble elects or keeps a leader and the scanners go on; a
-  scanner connected to the dead node moves to another within its session.
+  scanner that loses its connection (on the leader's death, all of them: the
+  followers stop serving until the election) reconnects within its session.
 - Quorum lost: every scanner stops scanning (within its session timeout), nothing is
   queued meanwhile though runs come due; when quorum returns they take every
   partition again and the runs that waited are started.
@@ -66,8 +67,9 @@ def test_the_ensemble_loses_its_leader_a_follower_and_then_quorum_and_no_run_is_
         clients = connections(ensemble.client[node])  # scanners connected to it (nothing else connects)
         killed_at = ensemble.kill(node)
         quorum_at = ensemble.wait_for_quorum(30)
-        # Whoever was connected to it sees its socket close at once and reconnects to
-        # another node, its session (and so its locks) intact. Watched for half a session.
+        # Whoever was connected to it sees its socket close at once (on the leader's death,
+        # every scanner: the followers stop serving until a leader is elected) and
+        # reconnects, its session (and so its locks) intact. Watched for half a session.
         wait_for(lambda: time.time() > killed_at + session / 2, session, what="half a session")
         settled = wait_for(lambda: split(scanners) and time.time(), 3 * session,
                            what=f"the scanners to hold every partition after the {label} was killed")
