@@ -325,7 +325,7 @@ class RunAdmin(admin.ModelAdmin):
     def job_and_host(self, run: Run) -> str:
         url = reverse("admin:jobs_job_change", args=[run.job_id])
         return format_html('<a href="{}">{}</a> {}<br><small>{}</small>', url, run.job.public_id, run.job.name,
-                           target_host(run.job.target))
+                           target_key(run.job))
 
     @admin.display(description="told / handled")
     def dead_list(self, run: Run) -> str:

@@ -132,10 +132,10 @@ def tally(rows: Iterable[Any], runs: Mapping[int, Run] | None = None) -> dict[tu
 def _host(run: Run | None) -> str:
     if run is None:
         return ""
-    from jobs.validators import target_host
+    from jobs.validators import target_key
 
     try:
-        return target_host(run.job.target)[:300]
+        return target_key(run.job)[:300]
     except Exception:  # noqa: BLE001 - a figure's label, never a reason to fail
         return ""
 
