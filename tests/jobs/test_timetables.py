@@ -2,17 +2,28 @@
 a list of cron expressions, exclude (CONTRACT "Job body")."""
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime
 from typing import Any
+from unittest import mock
 
 import pytest
 import time_machine
+from django.conf import settings
 from django.test import override_settings
+from django.utils import timezone
 
 from jobs.models import Job
+from runs import claims
+from runs.delivery import iso_z
 from runs.models import Run
+from runs.services import run_execute_many
+from scanners.scan import scan_once
 from tests.conftest import Service
 from tests.factories import utc
 from tests.jobs.conftest import error_messages, row_counts
+from tests.target import LoopbackTarget
 
 JOBS = "/api/jobs/"
 FROZEN = "2026-10-28T10:00:00Z"
@@ -193,3 +204,89 @@ def test_a_bad_starts_at_is_a_400_naming_it(service: Service) -> None:
     errors = refused(service, body(every="1h", starts_at="next tuesday"))
 
     assert list(errors) == ["starts_at"]
+
+
+# --------------------------------------------------------------------------- through the run path
+
+
+@pytest.fixture
+def loopback() -> Iterator[LoopbackTarget]:
+    server = LoopbackTarget().start()
+    yield server
+    server.stop()
+
+
+@contextmanager
+def frozen_store_clock(start: str) -> Iterator[Any]:
+    """The clock frozen at `start`, the store's clock (leases, due times) with it: the
+    one seam for a test that mocks time (runs.claims._clock_in_the_database)."""
+    with time_machine.travel(start, tick=False) as traveller:
+        with mock.patch.object(claims, "_clock_in_the_database", lambda: False):
+            yield traveller
+
+
+def drive(job: Job, traveller: Any, until: datetime, limit: int = 200) -> None:
+    """The job's runs, one after another, through the real path: the clock moves to the
+    next run's due time, a scan queues it, a worker claims, calls and records it (and
+    the outcome makes the next run). Bounded by `limit` runs."""
+    for _ in range(limit):
+        run = Run.objects.get(job=job, status__in=Run.OPEN, is_backfill=False)
+        if run.scheduled_for >= until:
+            return
+        traveller.move_to(run.due_at)
+        scan_once(partitions=frozenset(range(settings.SCHEDULER_PARTITIONS)), now=timezone.now(), publish=False)
+        assert run_execute_many(run_ids=[run.pk], worker="table-worker") == {run.pk: "succeeded"}
+    raise AssertionError(f"more than {limit} runs before {until}")
+
+
+LONDON_TABLE = {
+    "2026-12": """
+        2026-12-01T09:00:00Z 2026-12-02T09:00:00Z 2026-12-03T09:00:00Z 2026-12-04T09:00:00Z 2026-12-05T12:00:00Z
+        2026-12-07T09:00:00Z 2026-12-08T09:00:00Z 2026-12-09T09:00:00Z 2026-12-10T09:00:00Z 2026-12-11T09:00:00Z
+        2026-12-12T12:00:00Z 2026-12-14T09:00:00Z 2026-12-15T09:00:00Z 2026-12-16T09:00:00Z 2026-12-17T09:00:00Z
+        2026-12-18T09:00:00Z 2026-12-19T12:00:00Z 2026-12-21T09:00:00Z 2026-12-22T09:00:00Z 2026-12-23T09:00:00Z
+        2026-12-24T09:00:00Z 2026-12-26T12:00:00Z 2026-12-28T09:00:00Z 2026-12-29T09:00:00Z 2026-12-30T09:00:00Z
+        2026-12-31T09:00:00Z
+    """,
+    # BST from Sunday 2027-03-28: 09:00 London is 08:00Z from Monday 29 March.
+    "2027-03": """
+        2027-03-01T09:00:00Z 2027-03-02T09:00:00Z 2027-03-03T09:00:00Z 2027-03-04T09:00:00Z 2027-03-05T09:00:00Z
+        2027-03-06T12:00:00Z 2027-03-08T09:00:00Z 2027-03-09T09:00:00Z 2027-03-10T09:00:00Z 2027-03-11T09:00:00Z
+        2027-03-12T09:00:00Z 2027-03-13T12:00:00Z 2027-03-15T09:00:00Z 2027-03-16T09:00:00Z 2027-03-17T09:00:00Z
+        2027-03-18T09:00:00Z 2027-03-19T09:00:00Z 2027-03-20T12:00:00Z 2027-03-22T09:00:00Z 2027-03-23T09:00:00Z
+        2027-03-24T09:00:00Z 2027-03-25T09:00:00Z 2027-03-26T09:00:00Z 2027-03-27T12:00:00Z 2027-03-29T08:00:00Z
+        2027-03-30T08:00:00Z 2027-03-31T08:00:00Z
+    """,
+}
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    ("month", "created", "until", "excluded"),
+    [
+        ("2026-12", "2026-11-30T12:00:00Z", "2027-01-01T00:00:00Z", ["2026-12-25T09:00:00Z"]),
+        ("2027-03", "2027-02-28T12:00:00Z", "2027-04-01T00:00:00Z", []),
+    ],
+)
+def test_a_list_schedule_with_christmas_excluded_in_london_runs_the_table_and_skips_christmas(
+    service: Service, loopback: LoopbackTarget, month: str, created: str, until: str, excluded: list[str]
+) -> None:
+    with frozen_store_clock(created) as traveller:
+        data = create(service, body(
+            schedule=["0 9 * * 1-5", "0 12 * * 6"], exclude=["2026-12-25"], timezone="Europe/London",
+            target=loopback.url("/report"),
+        ))
+        assert data["schedule"] == ["0 9 * * 1-5", "0 12 * * 6"] and data["exclude"] == ["2026-12-25"]
+        job = job_of(data)
+
+        drive(job, traveller, utc(until))
+
+    runs = Run.objects.filter(job=job).order_by("scheduled_for")
+    succeeded = [iso_z(r.scheduled_for) for r in runs if r.status == Run.Status.SUCCEEDED]
+    assert succeeded == LONDON_TABLE[month].split()
+    assert len(loopback.calls("/report")) == len(succeeded)
+    skipped = [r for r in runs if r.status == Run.Status.SKIPPED]
+    assert [iso_z(r.scheduled_for) for r in skipped] == excluded
+    for run in skipped:
+        assert list(run.events.filter(type="skipped").values_list("detail", flat=True)) == [{"reason": "excluded"}]
+        assert run.last_error.startswith("excluded:")
