@@ -290,3 +290,195 @@ def test_a_list_schedule_with_christmas_excluded_in_london_runs_the_table_and_sk
     for run in skipped:
         assert list(run.events.filter(type="skipped").values_list("detail", flat=True)) == [{"reason": "excluded"}]
         assert run.last_error.startswith("excluded:")
+
+
+# --------------------------------------------------------------------------- schedule lists and exclude, in the API
+
+
+@pytest.mark.embedded
+@time_machine.travel(FROZEN, tick=False)
+def test_a_schedule_is_read_back_as_given_a_string_as_a_string_and_a_list_as_a_list(service: Service) -> None:
+    one = create(service, body(schedule="0  9 * * *"))
+    listed = create(service, body(schedule=["0 9 * * *"]))
+
+    assert one["schedule"] == "0 9 * * *"
+    assert listed["schedule"] == ["0 9 * * *"]
+    assert service.get(f"{JOBS}{listed['id']}/").json()["schedule"] == ["0 9 * * *"]
+    assert job_of(listed).schedule == "" and job_of(listed).schedule_list == ["0 9 * * *"]
+
+
+@pytest.mark.embedded
+@pytest.mark.parametrize(
+    ("schedule", "words"),
+    [
+        (["0 9 * * *", "0 25 * * *"], "schedule[1]: '0 25 * * *' is not a valid cron expression: hour 25 is out of range"),
+        (["0 9 * * *", 5], "schedule[1]: must be a 5-field cron expression (a string), not a number"),
+        ([], "the list is empty"),
+        (["0 9 * * *"] * 11, "the list has 11 expressions; the limit is 10"),
+        ({"cron": "0 9 * * *"}, "must be a 5-field cron expression or a list of them, not an object"),
+    ],
+)
+def test_a_bad_schedule_list_is_a_400_naming_schedule_and_the_bad_expressions_index(
+    service: Service, schedule: Any, words: str
+) -> None:
+    errors = refused(service, body(schedule=schedule))
+
+    assert list(errors) == ["schedule"]
+    assert any(m.startswith(words) for m in errors["schedule"]), errors
+
+
+@pytest.mark.embedded
+@pytest.mark.parametrize(
+    ("exclude", "words"),
+    [
+        (["2026-12-25", "2026-02-30"], "exclude[1]: '2026-02-30' is not a date of the calendar"),
+        (["25/12/2026"], "exclude[0]: '25/12/2026' is not a date: use YYYY-MM-DD"),
+        ([20261225], "exclude[0]: a number is not a date"),
+        ("2026-12-25", "must be a list of dates"),
+    ],
+)
+def test_a_bad_exclude_is_a_400_naming_exclude_and_the_bad_item(service: Service, exclude: Any, words: str) -> None:
+    errors = refused(service, body(schedule="0 9 * * *", exclude=exclude))
+
+    assert list(errors) == ["exclude"]
+    assert any(m.startswith(words) for m in errors["exclude"]), errors
+
+
+@time_machine.travel(FROZEN, tick=False)
+def test_exclude_is_read_back_sorted_each_date_once(service: Service) -> None:
+    data = create(service, body(every="1h", exclude=["2027-01-01", "2026-12-25", "2027-01-01"]))
+
+    assert data["exclude"] == ["2026-12-25", "2027-01-01"]
+
+
+@override_settings(SCHEDULER_MIN_INTERVAL="5m")
+def test_a_list_whose_union_runs_closer_than_scheduler_min_interval_is_a_400(service: Service) -> None:
+    errors = refused(service, body(schedule=["0 * * * *", "2 * * * *"]))
+
+    assert list(errors) == ["schedule"] and "SCHEDULER_MIN_INTERVAL" in errors["schedule"][0]
+
+
+# --------------------------------------------------------------------------- the run path: every, ends_at, exclude
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_every_jobs_runs_go_on_at_starts_at_plus_k_intervals_after_each_outcome(
+    service: Service, loopback: LoopbackTarget
+) -> None:
+    with frozen_store_clock("2026-12-01T10:00:00Z") as traveller:
+        data = create(service, body(every="7m", starts_at="2026-12-01T09:58:30Z", target=loopback.url("/e")))
+        job = job_of(data)
+        drive(job, traveller, utc("2026-12-01T10:30:00Z"))
+
+    ran = [r.scheduled_for for r in Run.objects.filter(job=job, status=Run.Status.SUCCEEDED).order_by("scheduled_for")]
+    assert ran == [utc(t) for t in ("2026-12-01T10:05:30Z", "2026-12-01T10:12:30Z", "2026-12-01T10:19:30Z",
+                                    "2026-12-01T10:26:30Z")]
+    assert Run.objects.get(job=job, status=Run.Status.SCHEDULED).scheduled_for == utc("2026-12-01T10:33:30Z")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_job_whose_next_time_is_past_ends_at_is_completed_when_its_last_run_ends(
+    service: Service, loopback: LoopbackTarget
+) -> None:
+    with frozen_store_clock("2026-12-01T10:00:00Z") as traveller:
+        data = create(service, body(schedule="0 * * * *", ends_at="2026-12-01T12:00:00Z", target=loopback.url("/e")))
+        job = job_of(data)
+        for _ in range(2):
+            run = Run.objects.get(job=job, status__in=Run.OPEN)
+            traveller.move_to(run.due_at)
+            scan_once(partitions=frozenset(range(settings.SCHEDULER_PARTITIONS)), now=timezone.now(), publish=False)
+            assert run_execute_many(run_ids=[run.pk], worker="w") == {run.pk: "succeeded"}
+
+        after = service.get(f"{JOBS}{data['id']}/").json()
+
+    ran = [iso_z(r.scheduled_for) for r in Run.objects.filter(job=job).order_by("scheduled_for")]
+    assert ran == ["2026-12-01T11:00:00Z", "2026-12-01T12:00:00Z"]
+    assert after["state"] == "completed" and after["next_run"] is None
+
+
+@time_machine.travel("2026-12-01T13:00:00Z", tick=False)
+def test_moving_ends_at_later_on_a_completed_job_makes_it_active_again_with_its_next_run(service: Service) -> None:
+    data = create(service, body(schedule="0 * * * *", ends_at="2026-12-01T12:00:00Z"))
+    assert data["state"] == "completed"
+
+    changed = service.patch(f"{JOBS}{data['id']}/", {"ends_at": "2026-12-02T00:00:00Z"}).json()
+
+    assert changed["state"] == "active"
+    assert changed["next_run"]["scheduled_for"] == "2026-12-01T14:00:00Z"
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(SCHEDULER_MIN_INTERVAL="1s", SCHEDULER_EXCLUDE_MAX_SKIPPED=5)
+def test_an_every_1s_job_excluded_for_a_day_writes_a_bounded_number_of_skipped_rows_and_counts_the_rest(
+    service: Service, loopback: LoopbackTarget
+) -> None:
+    with frozen_store_clock("2026-12-24T23:59:58Z") as traveller:
+        data = create(service, body(every="1s", exclude=["2026-12-25"], target=loopback.url("/e")))
+        job = job_of(data)
+        drive(job, traveller, utc("2026-12-25T00:00:00Z"))
+
+    skipped = list(Run.objects.filter(job=job, status=Run.Status.SKIPPED).order_by("scheduled_for"))
+    assert [iso_z(r.scheduled_for) for r in skipped] == [f"2026-12-25T00:00:0{i}Z" for i in range(5)]
+    details = [r.events.get(type="skipped").detail for r in skipped]
+    assert details[:4] == [{"reason": "excluded"}] * 4
+    assert details[4] == {"reason": "excluded", "excluded_without_row": 86_400 - 5}
+    assert Run.objects.get(job=job, status=Run.Status.SCHEDULED).scheduled_for == utc("2026-12-26T00:00:00Z")
+
+
+LONDON = {"schedule": ["0 9 * * 1-5", "0 12 * * 6"], "exclude": ["2026-12-25"], "timezone": "Europe/London"}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_taking_a_date_out_of_exclude_cancels_its_skipped_row_and_runs_that_time_again(
+    service: Service, loopback: LoopbackTarget
+) -> None:
+    with frozen_store_clock("2026-12-23T10:00:00Z") as traveller:
+        data = create(service, body(**LONDON, target=loopback.url("/e")))
+        job = job_of(data)
+        drive(job, traveller, utc("2026-12-25T00:00:00Z"))
+        christmas = Run.objects.get(job=job, scheduled_for=utc("2026-12-25T09:00:00Z"))
+        assert christmas.status == Run.Status.SKIPPED
+
+        changed = service.patch(f"{JOBS}{data['id']}/", {"exclude": []}).json()
+
+    assert changed["next_run"]["scheduled_for"] == "2026-12-25T09:00:00Z"
+    christmas.refresh_from_db()
+    assert christmas.status == Run.Status.SCHEDULED
+    assert list(christmas.events.values_list("type", flat=True)) == ["skipped", "cancelled", "scheduled"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_misfire_over_an_excluded_date_skips_that_time_with_reason_excluded_not_the_policy(
+    service: Service, loopback: LoopbackTarget
+) -> None:
+    with frozen_store_clock("2026-12-23T10:00:00Z") as traveller:
+        data = create(service, body(**LONDON, target=loopback.url("/e")))
+        job = job_of(data)
+        late = Run.objects.get(job=job, status=Run.Status.SCHEDULED)
+        assert late.scheduled_for == utc("2026-12-24T09:00:00Z")
+        traveller.move_to("2026-12-28T08:00:00Z")  # nothing ran for four days
+
+        scan_once(partitions=frozenset(range(settings.SCHEDULER_PARTITIONS)), now=timezone.now(), publish=False)
+        assert run_execute_many(run_ids=[late.pk], worker="w") == {late.pk: "succeeded"}
+
+    rows = {iso_z(r.scheduled_for): r for r in Run.objects.filter(job=job)}
+    assert rows["2026-12-24T09:00:00Z"].status == Run.Status.SUCCEEDED  # run_once: the late run runs
+    reasons = {t: rows[t].events.get(type="skipped").detail["reason"] for t in ("2026-12-25T09:00:00Z",
+                                                                                   "2026-12-26T12:00:00Z")}
+    assert reasons == {"2026-12-25T09:00:00Z": "excluded", "2026-12-26T12:00:00Z": "misfire policy run_once"}
+    assert rows["2026-12-28T09:00:00Z"].status == Run.Status.SCHEDULED
+    assert set(rows) == {"2026-12-24T09:00:00Z", "2026-12-25T09:00:00Z", "2026-12-26T12:00:00Z",
+                         "2026-12-28T09:00:00Z"}
+
+
+@time_machine.travel("2026-12-27T00:00:00Z", tick=False)
+def test_a_backfill_lists_an_every_jobs_times_but_not_those_on_excluded_dates(service: Service) -> None:
+    from jobs.services import backfill_plan
+
+    data = create(service, body(every="12h", starts_at="2026-12-24T06:00:00Z", exclude=["2026-12-25"]))
+
+    plan = backfill_plan(job=job_of(data), since=utc("2026-12-24T00:00:00Z"), until=utc("2026-12-27T00:00:00Z"),
+                         now=timezone.now())
+
+    assert [iso_z(t) for t in plan.times] == ["2026-12-24T06:00:00Z", "2026-12-24T18:00:00Z",
+                                              "2026-12-26T06:00:00Z", "2026-12-26T18:00:00Z"]
