@@ -15,7 +15,15 @@ from jobs.secrets import encrypt_headers, split_headers
 from runs import events
 from runs.delivery import iso_z
 from runs.models import Run
-from runs.services import EXCLUDED_PREFIX, is_held, job_next_run, job_next_run_time, run_create
+from runs.services import (
+    EXCLUDED_PREFIX,
+    excluded_times_skip,
+    is_held,
+    job_next_run,
+    job_next_run_plan,
+    job_next_run_time,
+    run_create,
+)
 
 S = Run.Status
 # Fields whose change replaces the waiting run.
@@ -158,8 +166,12 @@ def _replace_waiting_run(job: Job, now: datetime) -> None:
         return  # on its way or retrying: the new timing applies from the next run on
     new_time = first_run_time(job, now)
     if waiting is not None and waiting.scheduled_for == new_time:
-        # Same time (only the window changed, or the same schedule spelt differently):
-        # a new row would break runs_one_run_per_time, so re-spread this one.
+        # Same time (only the window changed, or the same schedule spelt differently,
+        # or a new timing that comes to the same next time): a new row would break
+        # runs_one_run_per_time, so re-spread this one. The excluded times the new
+        # timing passes over before it still get their rows.
+        plan = job_next_run_plan(job, latest=None, since=now, now=now)
+        events.record_many(excluded_times_skip([(job, plan)], now))
         due_at = schedule.spread_due_at(job.pk, new_time, timedelta(seconds=job.window_seconds))
         if due_at != waiting.due_at:
             Run.objects.filter(pk=waiting.pk).update(due_at=due_at)

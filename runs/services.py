@@ -201,7 +201,7 @@ def job_next_runs(
     ended = {pk for pk, plan in plans.items() if plan.time is None}  # past ends_at
     _complete(ended, now)
     live = [job for job in live if job.pk not in ended]
-    excluded = _skip_excluded([(job, plans[job.pk]) for job in live], now)
+    excluded = excluded_times_skip([(job, plans[job.pk]) for job in live], now)
     if not live:
         return {}, excluded
     held = _held_jobs(live)
@@ -222,7 +222,7 @@ def job_next_runs(
     return created, found
 
 
-def _skip_excluded(plans: list[tuple[Job, schedule.NextTime]], now: datetime) -> list[events.Event]:
+def excluded_times_skip(plans: list[tuple[Job, schedule.NextTime]], now: datetime) -> list[events.Event]:
     """A `skipped` row (reason `excluded`) for each excluded time the plans passed
     over, but a time that already has a row; their `skipped` events, for the caller.
     At most SCHEDULER_EXCLUDE_MAX_SKIPPED a job at once: the last row's event counts
@@ -317,7 +317,7 @@ def _place_after_clash(job: Job, row: Run, now: datetime) -> Run | None:
             return None
         if earlier is not None:  # taken: an extra run (or a run that happened) covers it
             plan = job_next_run_plan(job, latest=when, since=None, now=now)
-            events.record_many(_skip_excluded([(job, plan)], now))
+            events.record_many(excluded_times_skip([(job, plan)], now))
             when = plan.time
             continue
         inserted, _ = bulk.insert_open_runs([_open_row(job, when, row.held)])
