@@ -7,7 +7,9 @@ the checked values to `jobs.services`.
 
 Bounds chosen where the CONTRACT is silent (they are in the error texts too):
 window 0s..1d; delay 0s..365d; timeout 1s..1h; retry.max 0..100;
-retry.base 1s..1d; retry.cap 1s..7d and at least base; headers at most 16 KiB
+retry.base 1s..1d; retry.cap 1s..7d and at least base; every 1s..366d;
+starts_at / ends_at from 1970 to 100 years ahead; a schedule list at most 10
+expressions; exclude at most 1000 dates; headers at most 16 KiB
 in all; payload at most settings.MAX_PAYLOAD_BYTES as sent, nested at most 64
 deep; an `at` no more than a year in the past nor 100 years ahead.
 """
@@ -49,6 +51,7 @@ MAX_SECRET_HEADER_NAMES = 100
 MAX_PAYLOAD_DEPTH = 64
 AT_PAST_LIMIT = timedelta(days=366)
 AT_FUTURE_LIMIT = timedelta(days=100 * 366)
+BOUND_EARLIEST = datetime(1970, 1, 1, tzinfo=UTC)  # starts_at / ends_at
 TIMING_INPUTS = ("schedule", "every", "at", "delay")
 RECURRING_ONLY = ("starts_at", "ends_at", "exclude")
 MAX_SCHEDULES = 10  # expressions in a schedule list
@@ -633,10 +636,7 @@ class JobSerializer(StrictFieldsMixin, serializers.Serializer):
         zone = self._zone(attrs)
         for name in ("starts_at", "ends_at"):
             if attrs.get(name) is not None:
-                try:
-                    attrs[name] = schedule.resolve_at(attrs[name], zone)
-                except ValueError as exc:
-                    raise ValidationError({name: [str(exc)]}) from exc
+                attrs[name] = self._resolve_bound(name, attrs[name], zone)
         recurring = any(self._current(attrs, name) for name in ("schedule", "schedule_list", "every_seconds"))
         if not recurring:
             given = [name for name in RECURRING_ONLY if attrs.get(name)]
@@ -649,6 +649,19 @@ class JobSerializer(StrictFieldsMixin, serializers.Serializer):
         starts, ends = self._current(attrs, "starts_at"), self._current(attrs, "ends_at")
         if starts is not None and ends is not None and ends <= starts:
             raise ValidationError({"ends_at": [f"must be after starts_at ({iso_z(starts)}), not {iso_z(ends)}"]})
+
+    @staticmethod
+    def _resolve_bound(name: str, text: str, zone: str) -> datetime:
+        """starts_at / ends_at: any time from 1970 on, at most 100 years ahead."""
+        try:
+            when = schedule.resolve_at(text, zone)
+        except ValueError as exc:
+            raise ValidationError({name: [str(exc)]}) from exc
+        if when < BOUND_EARLIEST:
+            raise ValidationError({name: [f"{text!r} is before 1970-01-01T00:00:00Z"]})
+        if when > timezone.now() + AT_FUTURE_LIMIT:
+            raise ValidationError({name: [f"{text!r} is more than 100 years ahead"]})
+        return when
 
     def _resolve_at(self, text: str, zone: str) -> datetime:
         try:

@@ -482,3 +482,11 @@ def test_a_backfill_lists_an_every_jobs_times_but_not_those_on_excluded_dates(se
 
     assert [iso_z(t) for t in plan.times] == ["2026-12-24T06:00:00Z", "2026-12-24T18:00:00Z",
                                               "2026-12-26T06:00:00Z", "2026-12-26T18:00:00Z"]
+
+
+@pytest.mark.parametrize("when", ["0010-01-10T00:01:00Z", "1969-12-31T23:59:59Z", "2999-01-01T00:00:00Z"])
+def test_a_starts_at_before_1970_or_more_than_100_years_ahead_is_a_400_naming_it(service: Service, when: str) -> None:
+    # Found by the API fuzz: year 10 was stored and read back as "10-01-10T00:01:00Z".
+    errors = refused(service, body(every="1h", starts_at=when))
+
+    assert list(errors) == ["starts_at"]
