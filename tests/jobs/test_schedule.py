@@ -17,6 +17,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta, timezone
+from itertools import islice
 from typing import Any
 from zoneinfo import ZoneInfo
 
@@ -26,6 +27,7 @@ from hypothesis import strategies as st
 
 from jobs.schedule import (
     MisfireDecision,
+    Timetable,
     cron_times,
     describe_cron,
     format_duration,
@@ -34,11 +36,13 @@ from jobs.schedule import (
     misfire_decision,
     missed_times,
     next_cron_time,
+    next_time,
     parse_duration,
     resolve_at,
     retry_delay,
     round_up_to_second,
     spread_due_at,
+    timetable_times,
     validate_cron,
 )
 
@@ -909,10 +913,6 @@ def test_model_weekday_numbering_matches_the_calendar() -> None:
 
 
 # ------------------------------------------------------------------ timetables: every, lists, bounds, exclude
-
-from itertools import islice  # noqa: E402
-
-from jobs.schedule import Timetable, next_time, timetable_times  # noqa: E402
 
 # The table: weekdays at 09:00 and Saturdays at 12:00 in London, no run on
 # Christmas Day. London is UTC+0 in December and switches to BST (UTC+1) on
