@@ -3,7 +3,7 @@ test: synchronous replication (a commit returns only once the standby has flushe
 the primary killed (`pg_ctl stop -m immediate`), the standby promoted (`pg_ctl promote`).
 
     pair = PgPair().start()            # both up, the standby streaming synchronously
-    pair.url("sched")                  # postgres://postgres@127.0.0.1:P1,127.0.0.1:P2/sched?target_session_attrs=read-write
+    pair.url("sched")                  # postgres://postgres@127.0.0.1:P1,127.0.0.1:P2/sched?target_session_attrs=read-write&...
     pair.kill_primary(); pair.promote_standby()
     pair.stop()                        # both stopped, the data directories removed
 
@@ -92,7 +92,7 @@ class PgPair:
 
     def url(self, db: str) -> str:
         return (f"postgres://postgres@127.0.0.1:{self.primary_port},127.0.0.1:{self.standby_port}/{db}"
-                "?target_session_attrs=read-write")
+                "?target_session_attrs=read-write&connect_timeout=3")
 
     def postmaster_pid(self, data: Path) -> int | None:
         try:

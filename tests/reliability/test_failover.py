@@ -84,7 +84,7 @@ def test_the_primary_killed_under_load_and_the_standby_promoted_loses_no_commit_
         wait_for(lambda: owned(scanner) == ALL and all(" ready." in w.output() for w in workers), 40,
                  what="the scanner to hold every partition and both workers to be ready")
         counting_target.delay(call)  # calls in flight at the kill: their outcomes cannot be written
-        runs = one_offs(counting_target.url(), first_in=1, seconds=24, per_second=2)
+        runs = one_offs(counting_target.url(), first_in=1, seconds=16, per_second=2)
         wait_for(lambda: len(counting_target.applied()) >= 10, 40, what="runs to flow before the kill")
         wait_for(lambda: len(counting_target.received()) > len(counting_target.arrivals()), 10, interval=0.02,
                  what="a call in flight")
