@@ -107,7 +107,7 @@ EXAMPLES_RUN = {"count": 0}  # machines started in this process (see the test at
 # Emptied before each example (DELETE: a TRUNCATE of these costs a quarter of a second),
 # and the ids started again, so that a replayed example gets the same ids (a job's id
 # decides its partition and where its runs fall in their windows).
-EMPTIED = ("run_events", "runs", "audit_log", "target_breaker_transitions", "target_breakers", "target_slots", "jobs")
+EMPTIED = ("run_events", "notices", "runs", "audit_log", "target_breaker_transitions", "target_breakers", "target_slots", "jobs")
 RESTARTED = ("run_events", "runs", "jobs")
 # The answers a call may get; a hang is rare (it costs the 1 s timeout in real time).
 ANSWER_CHOICES = ["ok", "ok", "fail"] * 3 + ["hang"]
@@ -954,6 +954,8 @@ def test_the_model_checks_the_times_a_long_call_spans_under_each_overlap_policy(
     assert Run.objects.filter(last_error__startswith=IN_FLIGHT).count() == (12 if overlap == "skip" else 11)
 
 
+@pytest.mark.django_db(transaction=True)
+@override_settings(SCHEDULER_BREAKER_FAILURES=10**6, SCHEDULER_MISFIRE_GRACE=60, SCHEDULER_LEASE_SECONDS=60)
 def test_the_model_finds_the_excluded_times_of_a_new_schedule_skipped_when_its_next_run_keeps_its_time(
     target: ChosenAnswerTarget,
 ) -> None:
@@ -988,6 +990,8 @@ def test_the_model_follows_a_job_that_pauses_itself_and_one_paused_until_a_time(
     assert AuditEntry.objects.filter(actor="scheduler", action="resumed").count() == 1
 
 
+@pytest.mark.django_db(transaction=True)
+@override_settings(SCHEDULER_BREAKER_FAILURES=10**6, SCHEDULER_MISFIRE_GRACE=60, SCHEDULER_LEASE_SECONDS=60)
 def test_the_model_finds_a_date_taken_out_of_exclude_runs_again(target: ChosenAnswerTarget) -> None:
     """An excluded time's `skipped` row is cancelled by the edit that takes its date out of
     `exclude`, and opened again as the job's next run."""
