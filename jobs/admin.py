@@ -29,7 +29,7 @@ from jobs.models import Job, ServiceAccount, ServiceToken
 from jobs.ops import TriggerRefused, job_trigger
 from jobs.public_ids import parse_id
 from jobs.serializers import JobSerializer
-from jobs.validators import METHODS, target_host
+from jobs.validators import METHODS, target_host, target_key, validate_task_prefix
 from runs.delivery import iso_z
 from runs.models import Run
 
@@ -43,6 +43,10 @@ FORM_TO_API = {
     "window": "window",
     "misfire": "misfire",
     "target": "target",
+    "task": "task",
+    "args": "args",
+    "kwargs": "kwargs",
+    "queue": "queue",
     "method": "method",
     "headers": "headers",
     "secret_headers": "secret_headers",
@@ -115,7 +119,20 @@ class JobAdminForm(forms.ModelForm):
     timezone = forms.CharField(initial="UTC", max_length=64, help_text="An IANA name, like Asia/Kolkata.")
     window = forms.CharField(initial="0s", help_text='The run may start up to this long after its time ("5m").')
     misfire = forms.ChoiceField(choices=Job.Misfire.choices, initial=Job.Misfire.RUN_ONCE)
-    target = forms.CharField(max_length=2000, strip=False, help_text="An http(s) URL, checked as typed.")
+    target = forms.CharField(
+        required=False, max_length=2000, strip=False,
+        help_text="An http(s) URL, checked as typed. Exactly one of target and task.",
+    )
+    task = forms.CharField(
+        required=False, max_length=200, strip=False,
+        help_text="Or a Celery task name, like billing.tasks.sync, under a prefix granted to the owner "
+        "(grant_tasks). Method, headers and payload are for URL targets only.",
+    )
+    args = forms.JSONField(required=False, help_text="A task's positional arguments: a JSON list.")
+    kwargs = forms.JSONField(required=False, help_text="A task's keyword arguments: a JSON object.")
+    queue = forms.CharField(
+        required=False, max_length=100, help_text='A task\'s queue (default "celery"); its pause key is celery:<queue>.'
+    )
     method = forms.ChoiceField(choices=[(m, m) for m in METHODS], initial="POST")
     headers = forms.JSONField(
         required=False,
@@ -163,8 +180,12 @@ class JobAdminForm(forms.ModelForm):
             "timezone": data["timezone"],
             "window": data["window"],
             "misfire": data["misfire"],
-            "target": data["target"],
-            "method": data["method"],
+            "target": data["target"] or "",
+            "task": data["task"] or "",
+            "args": data["args"] if data["args"] is not None else [],
+            "kwargs": data["kwargs"] if data["kwargs"] is not None else {},
+            "queue": data["queue"] or "",
+            "method": data["method"] or "POST",
             "headers": data["headers"],
             "secret_headers": ", ".join(data["secret_headers"] or []),
             "payload": data["payload"],
@@ -183,8 +204,18 @@ class JobAdminForm(forms.ModelForm):
         if editing:
             names = [n for n in names if n in self.changed_data]
         body: dict[str, Any] = {}
+        is_task = bool(cleaned.get("task")) if "task" in names or not editing else bool(self.instance.task)
         for name in names:
             value = cleaned[name]
+            if name in ("target", "task", "queue") and value == "":
+                continue  # not given: exactly one of target and task is
+            if name in ("args", "kwargs") and value is None:
+                continue
+            if is_task and name in ("method", "headers", "secret_headers", "payload") and not editing:
+                if not value or (name == "method" and value == "POST"):
+                    continue  # the form's HTTP defaults, not given for a task
+            if not is_task and name in ("args", "kwargs", "queue") and not value:
+                continue
             if name == "secret_headers":
                 value = [part.strip() for part in (value or "").split(",") if part.strip()]
             elif name in ("schedule", "at", "notify", "name") and value == "":
@@ -206,7 +237,8 @@ class JobAdminForm(forms.ModelForm):
             return cleaned
         editing = bool(self.instance.pk)
         serializer = JobSerializer(
-            instance=self.instance if editing else None, data=self._api_body(cleaned), partial=editing
+            instance=self.instance if editing else None, data=self._api_body(cleaned), partial=editing,
+            context={"owner": cleaned.get("owner")} if not editing else {},
         )
         if serializer.is_valid():
             self.service_fields = serializer.service_fields()
@@ -275,7 +307,7 @@ class JobAdmin(admin.ModelAdmin):
         "target_host",
     )
     list_filter = ("state", "owner", TargetHostFilter, "paused", "misfire")
-    search_fields = ("name", "target")
+    search_fields = ("name", "target", "task")
     search_help_text = "Name, target, or id (job_12 or 12)."
     list_select_related = ("owner",)
     list_per_page = 50
@@ -304,7 +336,8 @@ class JobAdmin(admin.ModelAdmin):
                     )
                 },
             ),
-            ("Target", {"fields": ("target", "method", "headers", secret, "payload")}),
+            ("Target", {"fields": ("target", "method", "headers", secret, "payload", "task", "args", "kwargs",
+                                   "queue")}),
             ("Execution", {"fields": ("retry_max", "retry_backoff", "retry_base", "retry_cap", "timeout", "notify")}),
             *history,
         )
@@ -368,7 +401,7 @@ class JobAdmin(admin.ModelAdmin):
 
     @admin.display(description="target host")
     def target_host(self, job: Job) -> str:
-        return target_host(job.target)
+        return target_key(job)
 
     @admin.display(description="next five times")
     def next_times_preview(self, job: Job) -> str:
@@ -503,9 +536,55 @@ class JobAdmin(admin.ModelAdmin):
         self._report(request, "Deleted", done, skipped)
 
 
+class TaskPrefixesField(forms.CharField):
+    """ServiceAccount.task_prefixes as comma- or space-separated text (grant_tasks' words)."""
+
+    def prepare_value(self, value: Any) -> Any:
+        return ", ".join(value) if isinstance(value, list) else value
+
+    def to_python(self, value: Any) -> list[str]:
+        if isinstance(value, list):
+            return value
+        parts = [p for p in (value or "").replace(",", " ").split() if p]
+        problems = []
+        for prefix in parts:
+            try:
+                validate_task_prefix(prefix)
+            except ValueError as exc:
+                problems.append(str(exc))
+        if problems:
+            raise forms.ValidationError(problems)
+        return list(dict.fromkeys(parts))
+
+
+class ServiceAccountForm(forms.ModelForm):
+    task_prefixes = TaskPrefixesField(
+        required=False,
+        help_text="Celery task prefixes the service may name as a job's task, comma-separated: "
+        "billing. grants billing.tasks.sync (not billingx.run); billing grants billing and billing.* "
+        "(grant_tasks NAME PREFIX... does the same).",
+    )
+
+    class Meta:
+        model = ServiceAccount
+        fields = ("user", "task_prefixes")
+
+
 @admin.register(ServiceAccount)
 class ServiceAccountAdmin(admin.ModelAdmin):
-    list_display = ("user", "created_at")
+    form = ServiceAccountForm
+    list_display = ("user", "granted_tasks", "created_at")
+    readonly_fields = ("created_at",)
+
+    def get_fields(self, request: HttpRequest, obj: ServiceAccount | None = None) -> Any:
+        return ("user", "task_prefixes", "created_at") if obj else ("user", "task_prefixes")
+
+    def get_readonly_fields(self, request: HttpRequest, obj: ServiceAccount | None = None) -> Any:
+        return ("user", "created_at") if obj else ()
+
+    @admin.display(description="task prefixes")
+    def granted_tasks(self, account: ServiceAccount) -> str:
+        return ", ".join(account.task_prefixes or []) or "-"
 
 
 @admin.register(ServiceToken)

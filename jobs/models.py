@@ -12,6 +12,10 @@ class ServiceAccount(models.Model):
 
     user = models.OneToOneField(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="service")
     created_at = models.DateTimeField(auto_now_add=True)
+    # Celery task-name prefixes this service may name as a job's `task` (grant_tasks):
+    # "billing." grants billing.tasks.sync; "billing" grants billing and billing.*
+    # (jobs.validators.task_name_granted). Empty: no task at all.
+    task_prefixes = models.JSONField(default=list, blank=True)
 
     def __str__(self) -> str:
         return self.user.username
@@ -40,7 +44,13 @@ class Job(models.Model):
     schedule = models.CharField(max_length=200, blank=True)
     run_at = models.DateTimeField(null=True, blank=True)
     timezone = models.CharField(max_length=64, default="UTC")
-    target = models.URLField(max_length=2000)
+    # Exactly one of `target` (an http(s) URL) and `task` (a Celery task name, with
+    # `args`, `kwargs` and `queue`): jobs.serializers checks it, runs.publishing sends it.
+    target = models.URLField(max_length=2000, blank=True)
+    task = models.CharField(max_length=200, blank=True)
+    args = models.JSONField(default=list, blank=True)
+    kwargs = models.JSONField(default=dict, blank=True)
+    queue = models.CharField(max_length=200, default="celery", blank=True)
     method = models.CharField(max_length=10, default="POST")
     headers = models.JSONField(default=dict, blank=True)  # the non-secret ones, in clear
     secret_headers = models.TextField(blank=True)  # encrypted JSON (jobs.secrets)
@@ -68,6 +78,13 @@ class Job(models.Model):
     class Meta:
         db_table = "jobs"
         indexes = [models.Index(fields=["owner", "-id"], name="jobs_owner_idx")]
+        constraints = [
+            # Exactly one of a URL target and a Celery task.
+            models.CheckConstraint(
+                condition=(models.Q(target="") & ~models.Q(task="")) | (~models.Q(target="") & models.Q(task="")),
+                name="jobs_target_or_task",
+            )
+        ]
 
     def __str__(self) -> str:
         return f"{self.public_id} {self.name}".strip()
@@ -75,6 +92,11 @@ class Job(models.Model):
     @property
     def public_id(self) -> str:
         return format_id("job", self.pk)
+
+    @property
+    def is_task(self) -> bool:
+        """A Celery task target (published to SCHEDULER_TASK_BROKER_URL), not a URL."""
+        return bool(self.task)
 
     @property
     def is_recurring(self) -> bool:

@@ -77,3 +77,39 @@ def audit_for(user: Any, object_id: str | None = None) -> QuerySet[AuditEntry]:
     if object_id:
         entries = entries.filter(object_id=object_id)
     return entries.order_by("-at", "-id")
+
+
+def task_prefixes_of(owner_id: int) -> list[str]:
+    """The Celery task prefixes granted to the service that is user `owner_id` (grant_tasks)."""
+    from jobs.models import ServiceAccount
+
+    found = ServiceAccount.objects.filter(user_id=owner_id).values_list("task_prefixes", flat=True).first()
+    return [p for p in (found or []) if isinstance(p, str)]
+
+
+def task_refusal(owner: Any, task: str) -> str | None:
+    """Why `owner` may not name the Celery task `task`, or None when it may.
+
+    A service names only tasks under its granted prefixes (jobs.validators.
+    task_name_granted). A job owned by a person (staff, through the API: the caller
+    owns what it creates) may name any task: staff are the operators who grant."""
+    from jobs.validators import task_name_granted
+
+    if owner is None:
+        return "the job has no owner to check the task against"
+    if getattr(owner, "is_staff", False) and not is_service_account(owner):
+        return None
+    prefixes = task_prefixes_of(owner.pk)
+    if task_name_granted(task, prefixes):
+        return None
+    name = owner.get_username()
+    if not prefixes:
+        return f"{task!r} is not granted to {name}, which may name no Celery task (see grant_tasks)"
+    granted = ", ".join(prefixes)
+    return f"{task!r} is not under a task prefix granted to {name} ({granted}; see grant_tasks)"
+
+
+def is_service_account(user: Any) -> bool:
+    from jobs.models import ServiceAccount
+
+    return ServiceAccount.objects.filter(user_id=user.pk).exists()

@@ -37,7 +37,9 @@ from jobs.validators import (
     validate_method,
     validate_min_interval,
     validate_notify,
+    validate_queue,
     validate_target,
+    validate_task_name,
 )
 from runs.models import Run, RunEvent
 
@@ -49,6 +51,10 @@ MAX_PAYLOAD_DEPTH = 64
 AT_PAST_LIMIT = timedelta(days=366)
 AT_FUTURE_LIMIT = timedelta(days=100 * 366)
 TIMING_INPUTS = ("schedule", "at", "delay")
+TARGET_INPUTS = ("target", "task")
+# What applies to one kind of target only (API names): given for the other kind, a 400.
+URL_ONLY = ("method", "headers", "secret_headers", "payload")
+TASK_ONLY = ("args", "kwargs", "queue")
 _DURATION_PATTERN = r"^[0-9]+[smhd]$"
 
 
@@ -238,6 +244,44 @@ class PayloadField(serializers.JSONField):
         return data
 
 
+def _json_size_problem(data: Any) -> str | None:
+    problem = _payload_problem(data)
+    if problem:
+        return problem
+    size = len(json.dumps(data, separators=(",", ":")).encode())
+    limit = settings.MAX_PAYLOAD_BYTES
+    if size > limit:
+        return f"is {size} bytes as JSON; the limit is {limit} bytes ({limit // 1024} KiB)"
+    return None
+
+
+@extend_schema_field({"type": "array", "items": {}, "nullable": True, "example": [42]})
+class TaskArgsField(serializers.JSONField):
+    """A task's positional arguments: a JSON list, at most MAX_PAYLOAD_BYTES as JSON."""
+
+    def to_internal_value(self, data: Any) -> Any:
+        if not isinstance(data, list):
+            raise ValidationError(f"must be a list of positional arguments, not {json_type_name(data)}")
+        problem = _json_size_problem(data)
+        if problem:
+            raise ValidationError(problem)
+        return data
+
+
+@extend_schema_field({"type": "object", "additionalProperties": {}, "nullable": True, "example": {"full": True}})
+class TaskKwargsField(serializers.JSONField):
+    """A task's keyword arguments: a JSON object (its keys are strings), at most
+    MAX_PAYLOAD_BYTES as JSON."""
+
+    def to_internal_value(self, data: Any) -> Any:
+        if not isinstance(data, dict) or not all(isinstance(key, str) for key in data):
+            raise ValidationError(f"must be an object of argument names to values, not {json_type_name(data)}")
+        problem = _json_size_problem(data)
+        if problem:
+            raise ValidationError(problem)
+        return data
+
+
 # --------------------------------------------------------------------------- input checks
 
 
@@ -350,9 +394,39 @@ class JobSerializer(StrictFieldsMixin, serializers.Serializer):
     timezone = serializers.CharField(required=False, max_length=64, help_text='An IANA name (default "UTC").')
     # Not trimmed: a target is checked exactly as it will be called (a space or a line
     # break anywhere is refused, not quietly removed).
-    target = serializers.CharField(trim_whitespace=False, help_text="An http(s) URL.")
+    target = serializers.CharField(
+        trim_whitespace=False,
+        required=False,
+        allow_null=True,
+        help_text="An http(s) URL. Exactly one of target and task; null on a task job.",
+    )
+    task = serializers.CharField(
+        trim_whitespace=False,
+        required=False,
+        allow_null=True,
+        error_messages={"blank": "must be a Celery task name like billing.tasks.sync, not empty"},
+        help_text="A Celery task name (dotted Python identifiers, at most 200 characters), under a prefix "
+        "granted to the owning service (grant_tasks). Exactly one of target and task. Its run publishes the "
+        "task to SCHEDULER_TASK_BROKER_URL with message headers idempotency_key, fence_token, run_id, attempt "
+        "and scheduled_for, and succeeds when the broker has accepted it. Null on a URL job.",
+    )
+    args = TaskArgsField(
+        required=False, allow_null=True,
+        help_text="A task job's positional arguments (a list, default []); null on a URL job.",
+    )
+    kwargs = TaskKwargsField(
+        required=False, allow_null=True,
+        help_text="A task job's keyword arguments (an object, default {}); null on a URL job.",
+    )
+    queue = serializers.CharField(
+        required=False, allow_null=True, trim_whitespace=False,
+        error_messages={"blank": 'must not be empty (the default is "celery")'},
+        help_text='A task job\'s queue (default "celery"): letters, digits, _, . and -, at most 100 '
+        "characters. pause_target celery:<queue> holds its runs. Null on a URL job.",
+    )
     method = serializers.CharField(
-        required=False, max_length=10, help_text="GET, POST (default), PUT, PATCH or DELETE."
+        required=False, max_length=10, allow_null=True,
+        help_text="GET, POST (default), PUT, PATCH or DELETE. URL jobs only (null on a task job).",
     )
     headers = HeadersField(required=False)
     secret_headers = serializers.ListField(
@@ -363,7 +437,9 @@ class JobSerializer(StrictFieldsMixin, serializers.Serializer):
         error_messages={"not_a_list": 'must be a list of header names, not {input_type}'},
         help_text="Names of further headers to store encrypted and show as \"***\".",
     )
-    payload = PayloadField(required=False, allow_null=True, help_text="Any JSON, sent as the body.")
+    payload = PayloadField(
+        required=False, allow_null=True, help_text="Any JSON, sent as the body. URL jobs only."
+    )
     window = DurationField(
         source="window_seconds", required=False, low=timedelta(0), high=timedelta(days=1),
         help_text='The run may start any time up to this long after its time, 0s to 1d (default "0s").',
@@ -399,6 +475,16 @@ class JobSerializer(StrictFieldsMixin, serializers.Serializer):
 
     # ---- output
 
+    def to_representation(self, instance: Job) -> dict[str, Any]:
+        data = super().to_representation(instance)
+        if getattr(instance, "task", ""):
+            # A task job: no URL, and no HTTP-only fields (null or empty, so a job read
+            # back can be sent again).
+            data.update(target=None, method=None, headers={}, secret_headers=[], payload=None)
+        else:
+            data.update(task=None, args=None, kwargs=None, queue=None)
+        return data
+
     @extend_schema_field(NextRunSerializer(allow_null=True))
     def get_next_run(self, job: Job) -> dict[str, Any] | None:
         run = selectors.open_run_of(job)
@@ -423,14 +509,34 @@ class JobSerializer(StrictFieldsMixin, serializers.Serializer):
             raise ValidationError(str(exc)) from exc
         return value
 
-    def validate_target(self, value: str) -> str:
+    def validate_target(self, value: str | None) -> str | None:
+        if value is None:
+            return None
         try:
             validate_target(value)
         except ValueError as exc:
             raise ValidationError(str(exc)) from exc
         return value
 
-    def validate_method(self, value: str) -> str:
+    def validate_task(self, value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            return validate_task_name(value)
+        except ValueError as exc:
+            raise ValidationError(str(exc)) from exc
+
+    def validate_queue(self, value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            return validate_queue(value)
+        except ValueError as exc:
+            raise ValidationError(str(exc)) from exc
+
+    def validate_method(self, value: str | None) -> str | None:
+        if value is None:
+            return None
         try:
             return validate_method(value)
         except ValueError as exc:
@@ -453,8 +559,74 @@ class JobSerializer(StrictFieldsMixin, serializers.Serializer):
         attrs = dict(attrs)
         self._resolve_timing(attrs)
         self._check_retry_cap(attrs)
-        self._keep_stored_secrets(attrs)
+        if self._resolve_target(attrs) == "task":
+            self._check_task_grant(attrs)
+        else:
+            self._keep_stored_secrets(attrs)
         return attrs
+
+    def _resolve_target(self, attrs: dict[str, Any]) -> str:
+        """Exactly one of target/task on create, at most one on PATCH (it switches the
+        kind, and clears what belongs to the other kind). A null counts as not given.
+        What applies to the other kind only is a 400 naming it. Returns "url" or "task"."""
+        for name in ("target", "task", "method", "args", "kwargs", "queue"):
+            if name in attrs and attrs[name] is None:
+                attrs.pop(name)
+        given = [name for name in TARGET_INPUTS if name in attrs]
+        if len(given) > 1:
+            message = "give only one of target (an http(s) URL) or task (a Celery task name); this request gives both"
+            raise ValidationError({name: [message] for name in TARGET_INPUTS})
+        if not given and self.instance is None:
+            message = "one of target (an http(s) URL) or task (a Celery task name) is required"
+            raise ValidationError({name: [message] for name in TARGET_INPUTS})
+        if given:
+            kind = "task" if given[0] == "task" else "url"
+        else:
+            kind = "task" if getattr(self.instance, "task", "") else "url"
+        self._refuse_other_kind(attrs, kind)
+        was = "task" if getattr(self.instance, "task", "") else "url"
+        switching = self.instance is not None and bool(given) and kind != was
+        if switching and kind == "task":  # a URL job becomes a task job: its HTTP fields go
+            attrs.update(target="", method=_model_default("method"), payload=None, headers={},
+                         secret_header_names=[])
+        elif switching:  # a task job becomes a URL job: its task fields go
+            attrs.update(task="", args=[], kwargs={}, queue=_model_default("queue"))
+        return kind
+
+    @staticmethod
+    def _refuse_other_kind(attrs: dict[str, Any], kind: str) -> None:
+        errors = {}
+        if kind == "task":
+            given = {
+                "method": "method" in attrs,
+                "headers": bool(attrs.get("headers")),
+                "secret_headers": bool(attrs.get("secret_header_names")),
+                "payload": attrs.get("payload") is not None,
+            }
+            for name in (n for n in URL_ONLY if given[n]):
+                errors[name] = ["applies to a URL target only; a task job gets args, kwargs and queue"]
+        else:
+            for name in (n for n in TASK_ONLY if n in attrs):
+                errors[name] = ["applies to a task target only; a URL job gets method, headers and payload"]
+        if errors:
+            raise ValidationError(errors)
+
+    def _owner(self) -> Any:
+        if self.instance is not None:
+            return self.instance.owner
+        if "owner" in self.context:
+            return self.context["owner"]
+        request = self.context.get("request")
+        return getattr(request, "user", None)
+
+    def _check_task_grant(self, attrs: dict[str, Any]) -> None:
+        """A service names only tasks under its granted prefixes (checked again at call
+        time: runs.publishing)."""
+        if "task" not in attrs:
+            return
+        refusal = selectors.task_refusal(self._owner(), attrs["task"])
+        if refusal:
+            raise ValidationError({"task": [refusal]})
 
     def _zone(self, attrs: dict[str, Any]) -> str:
         if "timezone" in attrs:

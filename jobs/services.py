@@ -279,3 +279,36 @@ def service_account_ensure(*, name: str, email: str = "") -> tuple[Any, str]:
     account, _ = ServiceAccount.objects.get_or_create(user=user)
     signing_secret_ensure(service=account)  # its first X-Signature key (runs.signing)
     return user, token_issue(user=user)
+
+
+@transaction.atomic
+def service_tasks_grant(*, name: str, prefixes: list[str], revoke: bool = False) -> tuple[list[str], list[str]]:
+    """Add (or, with `revoke`, remove) Celery task prefixes on service NAME's grants.
+    Returns (the prefixes that changed, the grants now). A ValueError in words for a
+    bad prefix or an unknown service; nothing is written then.
+
+    Revoking takes effect on runs already waiting too: the worker checks the grant
+    again before it publishes (runs.publishing), and a run whose task is no longer
+    granted ends dead with the reason."""
+    from jobs.models import ServiceAccount
+    from jobs.validators import MAX_TASK_PREFIXES, validate_task_prefix
+
+    if not prefixes:
+        raise ValueError("give at least one PREFIX, like billing.")
+    for prefix in prefixes:
+        validate_task_prefix(prefix)
+    account = ServiceAccount.objects.select_for_update().filter(user__username=name).first()
+    if account is None:
+        raise ValueError(f"there is no service account {name!r} (create_service_token makes one)")
+    now = [p for p in account.task_prefixes if isinstance(p, str)]
+    if revoke:
+        changed = [p for p in dict.fromkeys(prefixes) if p in now]
+        now = [p for p in now if p not in changed]
+    else:
+        changed = [p for p in dict.fromkeys(prefixes) if p not in now]
+        now = now + changed
+    if len(now) > MAX_TASK_PREFIXES:
+        raise ValueError(f"{name} would hold {len(now)} task prefixes; the most is {MAX_TASK_PREFIXES}")
+    account.task_prefixes = now
+    account.save(update_fields=["task_prefixes"])
+    return changed, now

@@ -360,3 +360,82 @@ def validate_min_interval(expr: str) -> None:
                 f"{schedule.format_duration(floor)} apart here (SCHEDULER_MIN_INTERVAL)"
             )
         previous = current
+
+
+# --------------------------------------------------------------------------- Celery task targets
+#
+# A task job names a Celery task (`task`), with `args`, `kwargs` and a `queue`. The
+# name is a dotted path of Python identifiers (ASCII), the form every Celery task
+# name takes by default (`module.function`); the queue a plain broker queue name.
+# Both end up in a broker message and in the key `celery:<queue>` that pause_target,
+# the bulkhead and the breaker use (target_key), so both are kept plain.
+
+MAX_TASK_NAME_LENGTH = 200
+MAX_QUEUE_LENGTH = 100
+MAX_TASK_PREFIXES = 100
+DEFAULT_QUEUE = "celery"
+CELERY_KEY_PREFIX = "celery:"
+_IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
+_TASK_NAME_RE = re.compile(rf"{_IDENTIFIER}(?:\.{_IDENTIFIER})*")
+_TASK_PREFIX_RE = re.compile(rf"{_IDENTIFIER}(?:\.{_IDENTIFIER})*\.?")
+_QUEUE_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+def validate_task_name(name: str) -> str:
+    """A Celery task name: dotted Python identifiers, like billing.tasks.sync."""
+    if len(name) > MAX_TASK_NAME_LENGTH:
+        raise ValueError(f"must be at most {MAX_TASK_NAME_LENGTH} characters, not {len(name)}")
+    if not _TASK_NAME_RE.fullmatch(name):
+        raise ValueError(
+            f"{name[:80]!r} is not a Celery task name: give dotted Python identifiers (ASCII letters, digits "
+            "and _, not starting with a digit), like billing.tasks.sync"
+        )
+    return name
+
+
+def validate_queue(name: str) -> str:
+    """A broker queue name: letters, digits, _, . and -, not starting with . or -."""
+    if not name:
+        raise ValueError(f"must not be empty (the default is {DEFAULT_QUEUE!r})")
+    if len(name) > MAX_QUEUE_LENGTH:
+        raise ValueError(f"must be at most {MAX_QUEUE_LENGTH} characters, not {len(name)}")
+    if not _QUEUE_RE.fullmatch(name):
+        raise ValueError(
+            f"{name[:80]!r} is not a queue name: ASCII letters, digits, _, . and - only, "
+            "not starting with . or -"
+        )
+    return name
+
+
+def validate_task_prefix(prefix: str) -> str:
+    """A grant: a task name, or one ending with a dot (`billing.`)."""
+    if len(prefix) > MAX_TASK_NAME_LENGTH or not _TASK_PREFIX_RE.fullmatch(prefix):
+        raise ValueError(
+            f"{prefix[:80]!r} is not a task prefix: give dotted Python identifiers, optionally ending with "
+            "a dot, like billing. or billing.tasks"
+        )
+    return prefix
+
+
+def task_name_granted(name: str, prefixes: list[str]) -> bool:
+    """Whether `name` is under one of `prefixes`, on dot boundaries: `billing.` grants
+    billing.tasks.sync, never billingx.run; `billing` grants billing and billing.*."""
+    for prefix in prefixes:
+        if not isinstance(prefix, str) or not prefix:
+            continue
+        if prefix.endswith("."):
+            if name.startswith(prefix):
+                return True
+        elif name == prefix or name.startswith(prefix + "."):
+            return True
+    return False
+
+
+def target_key(job: object) -> str:
+    """What a job's calls are keyed by for the bulkhead, the breaker and pause_target:
+    a URL target's host as written (target_host), a task target's `celery:<queue>`.
+    Every such key of a job is worked out here."""
+    task = getattr(job, "task", "")
+    if task:
+        return CELERY_KEY_PREFIX + (getattr(job, "queue", "") or DEFAULT_QUEUE)
+    return target_host(getattr(job, "target", ""))
