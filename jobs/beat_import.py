@@ -38,6 +38,7 @@ from datetime import datetime, timedelta, timezone as dt_timezone
 from typing import Any, Iterable
 
 from django.db import IntegrityError, connections, transaction
+from django.db.utils import load_backend
 from django.utils import timezone
 
 from jobs import schedule
@@ -95,13 +96,23 @@ def source_alias(url: str | None) -> str:
         raise ValueError(f"--database {url!r} is not a database URL ({exc})") from exc
     if not config.get("ENGINE"):
         raise ValueError(f"--database {url!r} is not a database URL")
-    connections.settings[SOURCE_ALIAS] = config
-    connections.configure_settings(connections.settings)
+    # A connection made at run time, for this thread, not added to settings.DATABASES:
+    # Django fills in the defaults the way it does for configured databases.
+    config = connections.configure_settings({"default": {}, SOURCE_ALIAS: config})[SOURCE_ALIAS]
+    connection = load_backend(config["ENGINE"]).DatabaseWrapper(config, SOURCE_ALIAS)
     try:
-        connections[SOURCE_ALIAS].ensure_connection()
+        connection.ensure_connection()
     except Exception as exc:
         raise ValueError(f"cannot connect to --database: {str(exc).splitlines()[0]}") from exc
+    connections[SOURCE_ALIAS] = connection
     return SOURCE_ALIAS
+
+
+def source_close(alias: str) -> None:
+    """End the run-time connection `source_alias` made (no-op for `default`)."""
+    if alias == SOURCE_ALIAS and hasattr(connections._connections, alias):
+        connections[alias].close()
+        delattr(connections._connections, alias)
 
 
 def read_periodic_tasks(alias: str) -> list[Any]:

@@ -37,6 +37,12 @@ class Command(BaseCommand):
             tasks = beat_import.read_periodic_tasks(alias)
         except ValueError as exc:
             raise CommandError(str(exc)) from exc
+        try:
+            self._run(service, alias, tasks, dry_run=dry_run, disable_source=disable_source)
+        finally:
+            beat_import.source_close(alias)
+
+    def _run(self, service: Any, alias: str, tasks: list[Any], *, dry_run: bool, disable_source: bool) -> None:
         now = timezone.now()
         plans = beat_import.plan_import(tasks, owner=service, now=now)
         if dry_run:
@@ -49,9 +55,9 @@ class Command(BaseCommand):
         self._table(result.plans, dry_run=False)
         self._summary(result.plans, dry_run=False)
         if disable_source:
-            self._disable(alias, result, database)
+            self._disable(alias, result)
 
-    def _disable(self, alias: str, result: beat_import.ImportResult, database: str | None) -> None:
+    def _disable(self, alias: str, result: beat_import.ImportResult) -> None:
         if alias == "default":
             self.stdout.write(
                 f"disabled {result.disabled} periodic tasks in this database, in the import's transaction"
