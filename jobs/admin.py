@@ -38,7 +38,11 @@ PREVIEW_COUNT = 5
 FORM_TO_API = {
     "name": "name",
     "schedule": "schedule",
+    "every": "every",
     "at": "at",
+    "starts_at": "starts_at",
+    "ends_at": "ends_at",
+    "exclude": "exclude",
     "timezone": "timezone",
     "window": "window",
     "misfire": "misfire",
@@ -72,7 +76,10 @@ def local_time(when: datetime, zone: str) -> str:
 
 def schedule_words(job: Job) -> str:
     if job.is_recurring:
-        return schedule.describe_cron(job.schedule, job.timezone)
+        try:
+            return schedule.describe_timetable(job.timetable())
+        except ValueError:
+            return job.schedule or ", ".join(job.schedule_list) or "-"
     if job.run_at is not None:
         zone = "" if job.timezone == "UTC" else f" ({job.timezone})"
         return f"once at {local_time(job.run_at, job.timezone)}{zone}"
@@ -83,10 +90,13 @@ def next_times(job: Job, now: datetime, count: int = PREVIEW_COUNT) -> list[date
     if not job.is_recurring:
         return [job.run_at] if job.run_at is not None else []
     times: list[datetime] = []
-    after = now
+    after: datetime | None = now
     try:
+        timetable = job.timetable()
         for _ in range(count):
-            after = schedule.next_cron_time(job.schedule, job.timezone, after)
+            after = schedule.next_time(timetable, after, keep=0).time
+            if after is None:
+                break  # past ends_at
             times.append(after)
     except ValueError:
         pass  # a stored expression that no longer parses: show what we have
@@ -108,13 +118,30 @@ class JobAdminForm(forms.ModelForm):
     name = forms.CharField(required=False, max_length=200)
     schedule = forms.CharField(
         required=False,
-        max_length=200,
-        help_text="5-field cron, in the time zone below, like 0 2 * * *. Empty for a one-off.",
+        max_length=2200,
+        widget=forms.Textarea(attrs={"rows": 2}),
+        help_text="5-field cron, in the time zone below, like 0 2 * * *; several, one a line, for the union "
+        "of their times. Empty for a one-off or an every job.",
+    )
+    every = forms.CharField(
+        required=False,
+        help_text='An interval instead of a schedule, like "90m" (1s to 366d), counted in UTC from starts_at '
+        "or the job's creation.",
     )
     at = forms.CharField(
         required=False,
         label="At (one-off)",
         help_text="ISO 8601, like 2026-10-28T20:30:00Z; with no offset, a wall-clock time in the time zone.",
+    )
+    starts_at = forms.CharField(
+        required=False, help_text="Recurring jobs: no run before this time (ISO 8601, like the one-off time)."
+    )
+    ends_at = forms.CharField(
+        required=False, help_text="Recurring jobs: no run after this time; past it the job is completed."
+    )
+    exclude = forms.CharField(
+        required=False,
+        help_text="Recurring jobs: comma-separated dates (YYYY-MM-DD, in the time zone below) with no run.",
     )
     timezone = forms.CharField(initial="UTC", max_length=64, help_text="An IANA name, like Asia/Kolkata.")
     window = forms.CharField(initial="0s", help_text='The run may start up to this long after its time ("5m").')
@@ -175,8 +202,12 @@ class JobAdminForm(forms.ModelForm):
         retry = data.get("retry") or {}
         return {
             "name": data["name"],
-            "schedule": data["schedule"] or "",
+            "schedule": "\n".join(data["schedule"]) if isinstance(data["schedule"], list) else data["schedule"] or "",
+            "every": data["every"] or "",
             "at": data["at"] or "",
+            "starts_at": data["starts_at"] or "",
+            "ends_at": data["ends_at"] or "",
+            "exclude": ", ".join(data["exclude"] or []),
             "timezone": data["timezone"],
             "window": data["window"],
             "misfire": data["misfire"],
@@ -216,11 +247,13 @@ class JobAdminForm(forms.ModelForm):
                     continue  # the form's HTTP defaults, not given for a task
             if not is_task and name in ("args", "kwargs", "queue") and not value:
                 continue
-            if name == "secret_headers":
+            if name in ("secret_headers", "exclude"):
                 value = [part.strip() for part in (value or "").split(",") if part.strip()]
-            elif name in ("schedule", "at", "notify", "name") and value == "":
-                if not editing and name in ("schedule", "at"):
-                    continue  # exactly one of them is given on create
+            elif name == "schedule" and "\n" in value.strip():
+                value = [line.strip() for line in value.splitlines() if line.strip()]
+            elif name in ("schedule", "every", "at", "starts_at", "ends_at", "notify", "name") and value == "":
+                if not editing and name in ("schedule", "every", "at", "starts_at", "ends_at"):
+                    continue  # exactly one timing is given on create
                 value = None if name != "name" else ""
             elif name in ("headers", "payload") and value is None and not editing:
                 continue
@@ -327,7 +360,11 @@ class JobAdmin(admin.ModelAdmin):
                 {
                     "fields": (
                         "schedule",
+                        "every",
                         "at",
+                        "starts_at",
+                        "ends_at",
+                        "exclude",
                         "timezone",
                         "schedule_in_words",
                         "next_times_preview",
@@ -418,6 +455,10 @@ class JobAdmin(admin.ModelAdmin):
     @admin.display(description="at (one-off)")
     def at(self, job: Job) -> Any:
         return iso_z(job.run_at) if job.run_at else "-"
+
+    @admin.display(description="every")
+    def every(self, job: Job) -> str:
+        return schedule.format_duration(timedelta(seconds=job.every_seconds)) if job.every_seconds else "-"
 
     @admin.display(description="window")
     def window(self, job: Job) -> str:

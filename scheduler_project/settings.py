@@ -348,6 +348,9 @@ SCHEDULER_ZK_SESSION_TIMEOUT = float(env_str("SCHEDULER_ZK_SESSION_TIMEOUT", "10
 SCHEDULER_ZK_TIME_BOUNDARY = float(env_str("SCHEDULER_ZK_TIME_BOUNDARY", "2") or 2)
 SCHEDULER_BACKFILL_MAX_RUNS = env_int("SCHEDULER_BACKFILL_MAX_RUNS", 10000)
 SCHEDULER_MISFIRE_MAX_SKIPPED = env_int("SCHEDULER_MISFIRE_MAX_SKIPPED", 1000)
+# Most `skipped` rows (reason `excluded`) one next-run decision writes for the times on
+# a job's excluded dates; the rest are counted on the last one's event (docs/architecture.md).
+SCHEDULER_EXCLUDE_MAX_SKIPPED = env_int("SCHEDULER_EXCLUDE_MAX_SKIPPED", 100)
 SCHEDULER_ENCRYPTION_KEY = env_str("SCHEDULER_ENCRYPTION_KEY")
 # Set: GET /metrics needs "Authorization: Bearer <token>"; unset: /metrics is open.
 SCHEDULER_METRICS_TOKEN = env_str("SCHEDULER_METRICS_TOKEN")
