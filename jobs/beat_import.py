@@ -367,8 +367,8 @@ def our_times(fields: dict[str, Any], now: datetime, count: int) -> list[datetim
     latest = None
     for _ in range(count if job.is_recurring else 1):
         when = job_next_run_time(job, latest=latest, since=now if latest is None else None, now=now)
-        if times and when <= times[-1]:
-            break
+        if when is None or (times and when <= times[-1]):
+            break  # past ends_at
         times.append(when)
         latest = when
     return times
@@ -381,16 +381,24 @@ def unsaved_job(fields: dict[str, Any]) -> Job:
 
 def beat_times(task: Any, now: datetime, count: int) -> list[datetime]:
     """The next times celery's own classes give this periodic task, as beat would
-    step it (each from the one before), from `now` (an interval: from its anchor)."""
+    step it (each from the one before), from `now` (an interval: from its anchor);
+    none before its start_time or after its expires (beat's ModelEntry.is_due)."""
     if task.clocked_id:
         return [task.clocked.clocked_time.astimezone(UTC)]
+    times = _celery_times(task, now, count * 4)
+    times = [t for t in times if (task.start_time is None or t >= task.start_time)]
+    return [t for t in times if (task.expires is None or t <= task.expires)][:count]
+
+
+def _celery_times(task: Any, now: datetime, count: int) -> list[datetime]:
     sched = task.schedule
     if task.interval_id:
         anchor, every = interval_anchor(task, now), sched.run_every
         # Start from the last beat of the cadence at or before now (celery's interval
         # is "last run + every", so stepping from there is stepping from the anchor).
         last = anchor + max(0, (now - anchor) // every) * every
-        times: list[datetime] = []
+        # A start_time still ahead: beat runs the task at start_time itself, then on.
+        times: list[datetime] = [anchor] if anchor > now else []
         while len(times) < count:
             last = celery_next_after(sched, last)
             if last > now:
