@@ -29,7 +29,7 @@ from jobs.models import Job, ServiceAccount, ServiceToken
 from jobs.ops import TriggerRefused, job_trigger
 from jobs.public_ids import parse_id
 from jobs.serializers import JobSerializer
-from jobs.validators import METHODS, target_host, target_key, validate_task_prefix
+from jobs.validators import METHODS, target_key, validate_task_prefix
 from runs.delivery import iso_z
 from runs.models import Run
 
@@ -308,7 +308,7 @@ class TargetHostFilter(admin.SimpleListFilter):
     parameter_name = "host"
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        hosts = {target_host(t) for t in Job.objects.values_list("target", flat=True).distinct()}
+        hosts = {target_key(job) for job in Job.objects.only("target", "task", "queue")}
         return [(h, h) for h in sorted(hosts)]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Job]) -> QuerySet[Job]:

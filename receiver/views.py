@@ -111,18 +111,35 @@ def idempotent_run(view: View) -> View:
     return wrapper
 
 
-def _handle(request: HttpRequest, key: str, fence: int, view: View, args: Any, kwargs: Any) -> HttpResponse:
+STALE, REPLAY, APPLY = "stale", "replay", "apply"
+
+
+def delivery_admit(key: str, fence: int) -> tuple[Delivery, str]:
+    """The rule, shared by idempotent_run and receiver.tasks.idempotent_task; inside
+    the caller's transaction, the key's row locked until it ends (one call per key at
+    a time). STALE: a fence lower than the highest this key has seen (an old lease
+    holder), refused. REPLAY: the key was applied already, not applied again. APPLY:
+    run the effect, then mark the row applied in the same transaction."""
     Delivery.objects.bulk_create([Delivery(key=key)], ignore_conflicts=True)
-    delivery = Delivery.objects.select_for_update().get(key=key)  # one call per key at a time
+    delivery = Delivery.objects.select_for_update().get(key=key)
     delivery.calls += 1
     if fence < delivery.highest_fence:
         delivery.save(update_fields=["calls"])
-        return JsonResponse(
-            {"detail": f"fence {fence} is older than {delivery.highest_fence}: refused"}, status=409
-        )
+        return delivery, STALE
     delivery.highest_fence = fence
     if delivery.applied:
         delivery.save(update_fields=["calls", "highest_fence"])
+        return delivery, REPLAY
+    return delivery, APPLY
+
+
+def _handle(request: HttpRequest, key: str, fence: int, view: View, args: Any, kwargs: Any) -> HttpResponse:
+    delivery, verdict = delivery_admit(key, fence)
+    if verdict == STALE:
+        return JsonResponse(
+            {"detail": f"fence {fence} is older than {delivery.highest_fence}: refused"}, status=409
+        )
+    if verdict == REPLAY:
         return _replay(delivery)
     sid = transaction.savepoint()
     response = view(request, *args, **kwargs)

@@ -22,7 +22,7 @@ from django.utils.html import format_html
 from django.views.decorators.http import require_POST
 
 from jobs.public_ids import parse_id
-from jobs.validators import target_host
+from jobs.validators import target_key
 from runs import metrics, ops
 from runs.models import PausedTarget, Run, RunEvent
 
@@ -190,7 +190,7 @@ class RunAdmin(admin.ModelAdmin):
 
     @admin.display(description="target host")
     def target_host(self, run: Run) -> str:
-        return target_host(run.job.target)
+        return target_key(run.job)
 
     @admin.display(description="Idempotency-Key")
     def idempotency_key(self, run: Run) -> str:

@@ -160,13 +160,13 @@ def breakers_for(user: Any) -> QuerySet[TargetBreaker]:
     """The breakers `user` may see: staff all; a service those of the hosts its own
     jobs call (hosts are shared between services, so scoping is by host)."""
     from jobs.models import Job
-    from jobs.validators import target_host
+    from jobs.validators import target_key
 
     rows = TargetBreaker.objects.order_by("host")
     if getattr(user, "is_staff", False):
         return rows
-    targets = Job.objects.filter(owner=user).values_list("target", flat=True).distinct()
-    return rows.filter(host__in={target_host(t) for t in targets})
+    targets = Job.objects.filter(owner=user).only("target", "task", "queue")
+    return rows.filter(host__in={target_key(job) for job in targets})
 
 
 def row(

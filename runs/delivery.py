@@ -120,9 +120,14 @@ class CallResult:
     duration_ms: int = 0
     retry_after_seconds: float | None = None
     excerpt: str = field(default="", repr=False)
+    # A task target's publish that the broker accepted: the `published` event's detail
+    # (runs.publishing). A URL target's call never sets it.
+    published: dict[str, str] | None = None
 
     @property
     def ok(self) -> bool:
+        if self.published is not None:
+            return True
         return self.status is not None and 200 <= self.status < 300
 
     @property
@@ -144,6 +149,47 @@ def iso_z(value: datetime) -> str:
     return value.astimezone(dt_timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+@dataclass(frozen=True)
+class RunIdentity:
+    """What every call of a run carries (CONTRACT "What a target receives"): a URL
+    target gets it as HTTP headers (build_request), a task target as message headers
+    (runs.publishing). Worked out here only, so both carry the same values."""
+
+    idempotency_key: str
+    fence_token: int
+    run_id: str
+    attempt: int
+    scheduled_for: str
+
+    def http_headers(self) -> dict[str, str]:
+        return {
+            "Idempotency-Key": self.idempotency_key,
+            "X-Fence-Token": str(self.fence_token),
+            "X-Run-Id": self.run_id,
+            "X-Attempt": str(self.attempt),
+            "X-Scheduled-For": self.scheduled_for,
+        }
+
+    def message_headers(self) -> dict[str, str | int]:
+        return {
+            "idempotency_key": self.idempotency_key,
+            "fence_token": self.fence_token,
+            "run_id": self.run_id,
+            "attempt": self.attempt,
+            "scheduled_for": self.scheduled_for,
+        }
+
+
+def run_identity(run: Run, claim: Claim) -> RunIdentity:
+    return RunIdentity(
+        idempotency_key=run.idempotency_key,
+        fence_token=claim.fence,
+        run_id=format_id("run", run.pk),
+        attempt=claim.attempt,
+        scheduled_for=iso_z(run.scheduled_for),
+    )
+
+
 def build_request(
     *, run: Run, job: Job, claim: Claim, signer: "Signer | None" = None, addresses: tuple[str, ...] = ()
 ) -> Request:
@@ -156,15 +202,7 @@ def build_request(
     headers: dict[str, str] = {"User-Agent": USER_AGENT}
     headers.update(own)
     # Ours last, so a job cannot forge them.
-    headers.update(
-        {
-            "Idempotency-Key": run.idempotency_key,
-            "X-Fence-Token": str(claim.fence),
-            "X-Run-Id": format_id("run", run.pk),
-            "X-Attempt": str(claim.attempt),
-            "X-Scheduled-For": iso_z(run.scheduled_for),
-        }
-    )
+    headers.update(run_identity(run, claim).http_headers())
     if body:
         headers.setdefault("Content-Type", "application/json")
     if signer is not None:

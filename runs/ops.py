@@ -36,7 +36,7 @@ from django.utils import timezone
 
 from jobs.audit import actor_name, audit_record
 from jobs.models import Job
-from jobs.validators import target_host
+from jobs.validators import CELERY_KEY_PREFIX, target_host, validate_queue
 from runs import events
 from runs.delivery import iso_z
 from runs.models import PausedTarget, Run, RunEvent
@@ -56,7 +56,15 @@ class OpsError(ValueError):
 
 
 def check_host(value: str) -> str:
-    """HOST as written in a target URL, port included (`reports.internal`, `127.0.0.1:8080`)."""
+    """HOST as written in a target URL, port included (`reports.internal`, `127.0.0.1:8080`),
+    or a Celery task target's `celery:<queue>` (jobs.validators.target_key)."""
+    if (value or "").strip().lower().startswith(CELERY_KEY_PREFIX):
+        queue = value.strip()[len(CELERY_KEY_PREFIX):]
+        try:
+            validate_queue(queue)
+        except ValueError as exc:
+            raise OpsError(f"{value!r}: the queue {exc}") from exc
+        return CELERY_KEY_PREFIX + queue
     host = (value or "").strip().lower()
     if not host:
         raise OpsError("HOST is empty; give a host as written in the target URL, like reports.internal:8443")
@@ -67,7 +75,11 @@ def check_host(value: str) -> str:
 
 def target_host_q(host: str, prefix: str = "") -> Q:
     """Jobs whose target's host (port included) is exactly `host`, as one SQL condition.
-    The port is part of the key, so `a.test` does not match `a.test:8080`."""
+    The port is part of the key, so `a.test` does not match `a.test:8080`. A key
+    `celery:<queue>` is the task jobs on that queue (jobs.validators.target_key)."""
+    if host.startswith(CELERY_KEY_PREFIX):
+        queue = host[len(CELERY_KEY_PREFIX):]
+        return ~Q(**{f"{prefix}task": ""}) & Q(**{f"{prefix}queue": queue})
     pattern = rf"^https?://([^/?#@]*@)?{re.escape(host)}([/?#]|$)"
     return Q(**{f"{prefix}target__iregex": pattern})
 

@@ -22,8 +22,8 @@ from django.utils import timezone
 
 from jobs import schedule
 from jobs.models import Job
-from jobs.validators import check_resolved_target, target_host
-from runs import breakers, bulk, bulkhead, claims, delivery, events
+from jobs.validators import check_resolved_target, target_key
+from runs import breakers, bulk, bulkhead, claims, delivery, events, publishing
 from runs.claims import Claim
 from runs.delivery import CallResult
 from runs.models import Run
@@ -45,7 +45,7 @@ def is_held(job: Job) -> bool:
     """A held run is not scanned: its job is paused (or its target host is; see runs.holds)."""
     from runs.holds import target_is_paused
 
-    return job.paused or target_is_paused(job.target)
+    return job.paused or target_is_paused(job)
 
 
 def run_create(
@@ -294,8 +294,8 @@ def _complete(job_ids: set[int], now: datetime) -> None:
 
 def _held_jobs(jobs: list[Job]) -> set[int]:
     """The jobs whose new runs are created held (is_held, for many jobs in one read)."""
-    hosts = paused_target_hosts({target_host(job.target) for job in jobs if not job.paused})
-    return {job.pk for job in jobs if job.paused or target_host(job.target) in hosts}
+    hosts = paused_target_hosts({target_key(job) for job in jobs if not job.paused})
+    return {job.pk for job in jobs if job.paused or target_key(job) in hosts}
 
 
 def _place_after_clash(job: Job, row: Run, now: datetime) -> Run | None:
@@ -447,7 +447,7 @@ def _admit(runs: list[Run], worker: str, lease: timedelta, now: datetime, outcom
     """The breaker, then the bulkhead, per target host. Returns the runs let through."""
     by_host: dict[str, list[Run]] = {}
     for run in runs:
-        by_host.setdefault(target_host(run.job.target), []).append(run)
+        by_host.setdefault(target_key(run.job), []).append(run)
     not_closed = breakers.not_closed(list(by_host))  # one read: usually nothing
     gates: dict[int, Gate] = {}
     for host, group in by_host.items():
@@ -501,6 +501,7 @@ class Call:
     run: Run
     claim: Claim
     request: delivery.Request | None = None
+    message: publishing.TaskMessage | None = None  # a task target's, instead of a request
     refusal: str = ""  # claimed, but must not be called: why
     result: CallResult | None = None
 
@@ -524,10 +525,10 @@ def _claim_and_call(
         run.fence, run.attempt = claim.fence, claim.attempt
         calls.append(Call(run=run, claim=claim))
     _prepare(calls)
-    to_call = [c for c in calls if c.request is not None]
+    to_call = [c for c in calls if c.request is not None or c.message is not None]
     with Heartbeat([c.claim for c in to_call], lease, [gates[c.run.pk].slot for c in to_call]):
         _call_all(to_call, {c.run.pk: gates[c.run.pk].host for c in to_call})
-    failed_early = [c for c in calls if c.request is None and c.result is not None]  # e.g. a DNS failure
+    failed_early = [c for c in calls if c.request is None and c.message is None and c.result is not None]  # DNS
     for call in to_call + failed_early:
         gates[call.run.pk].called = True
     _tell_breakers(to_call + failed_early, gates)
@@ -544,9 +545,13 @@ def _prepare(calls: list[Call]) -> None:
     """
     resolved: dict[str, _Resolved] = {}
     signers: dict[int, delivery.Signer | None] = {}
+    grants: dict[tuple[int, str], str | None] = {}
     for call in calls:
         try:
-            _prepare_one(call, resolved, signers)
+            if call.run.job.is_task:
+                _prepare_task(call, grants)
+            else:
+                _prepare_one(call, resolved, signers)
         except DatabaseError:
             raise
         except delivery.PreparationError as exc:
@@ -573,9 +578,21 @@ def _resolve(target: str) -> _Resolved:
         return _Resolved(failure=delivery.DNS_FAILURE)
 
 
+def _out_of_tries(call: Call) -> bool:
+    return call.claim.attempt - call.run.attempt_base > call.run.job.retry_max + 1
+
+
+def _prepare_task(call: Call, grants: dict[tuple[int, str], str | None]) -> None:
+    """A Celery task target: its message (runs.publishing), its grant checked again."""
+    if _out_of_tries(call):
+        call.refusal = "out of tries (leases lost)"
+        return
+    call.message = publishing.prepare(run=call.run, job=call.run.job, claim=call.claim, grants=grants)
+
+
 def _prepare_one(call: Call, resolved: dict[str, _Resolved], signers: dict[int, delivery.Signer | None]) -> None:
     job = call.run.job
-    if call.claim.attempt - call.run.attempt_base > job.retry_max + 1:
+    if _out_of_tries(call):
         call.refusal = "out of tries (leases lost)"
         return
     if job.target not in resolved:
@@ -623,8 +640,10 @@ def _call_all(calls: list[Call], hosts: dict[int, str]) -> None:
 def _call_one(call: Call) -> CallResult:
     """The call, whatever raises inside it: an exception is a failed call (tried
     again), never one that takes the batch's other outcomes with it."""
-    assert call.request is not None
     try:
+        if call.message is not None:
+            return publishing.publish(call.message, timeout_seconds=call.run.job.timeout_seconds)
+        assert call.request is not None
         return delivery.call(call.request, timeout_seconds=call.run.job.timeout_seconds)
     except Exception as exc:
         logger.warning("run %s: its call raised %s", call.run.public_id, type(exc).__name__)
@@ -633,7 +652,7 @@ def _call_one(call: Call) -> CallResult:
 
 def _note_duration(host: str, result: CallResult) -> None:
     before = _recent_ms.get(host)
-    took = float(result.duration_ms) if result.status is not None else 1e6
+    took = float(result.duration_ms) if result.status is not None or result.published else 1e6
     _recent_ms[host] = took if before is None else 0.8 * before + 0.2 * took
 
 
@@ -661,6 +680,9 @@ def _signer_for(job: Job) -> delivery.Signer | None:
 
 
 def _answered_event(run: Run, claim: Claim, result: CallResult, now: datetime) -> events.Event:
+    if result.published is not None:  # a task target's message, accepted by the broker
+        return events.event(run.pk, "published", now, fence=claim.fence, duration_ms=result.duration_ms,
+                            **result.published)
     answer = {"status": result.status} if result.status is not None else {"error": result.error}
     return events.event(run.pk, "target_answered", now, fence=claim.fence, duration_ms=result.duration_ms, **answer)
 
@@ -815,7 +837,7 @@ def notify_dead(*, run_id: int, reason: str) -> None:
             message=(
                 f"Run {run.public_id} of job {job.public_id} ({job.name}) scheduled for "
                 f"{delivery.iso_z(run.scheduled_for)} is on the dead list after {run.attempt} attempt(s).\n\n"
-                f"Reason: {reason}\nTarget: {job.target}\n"
+                f"Reason: {reason}\nTarget: {job.target or f'Celery task {job.task} on queue {job.queue}'}\n"
             ),
             from_email=None,
             recipient_list=[recipient],

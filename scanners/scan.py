@@ -17,7 +17,7 @@ from django.db import InterfaceError, OperationalError, transaction
 from jobs import schedule
 from jobs.models import Job
 from runs import claims, events
-from jobs.validators import target_host
+from jobs.validators import target_key
 from runs.delivery import iso_z
 from runs.models import Run
 from runs.services import EXCLUDED_PREFIX, job_next_run, jobs_lock, notify_dead, run_next_create
@@ -78,7 +78,7 @@ def scan_once(*, partitions: list[int] | frozenset[int], now: datetime | None = 
             due = list(claims.lock_due(partitions=parts, now=now, limit=limit).select_related("job").only(*DUE_FIELDS))
             queued = _queue_due(due, now, result)
         if publish and queued:
-            publish_runs([run.pk for run in queued], hosts={run.pk: _host(run.job.target) for run in queued})
+            publish_runs([run.pk for run in queued], hosts={run.pk: _host(run.job) for run in queued})
         left -= len(queued)
         if len(due) < limit:
             break
@@ -97,11 +97,11 @@ def republish_budget(*, room_left: int, batch: int) -> int:
     return min(batch, max(room_left, REPUBLISH_WHEN_FULL))
 
 
-def _host(url: str) -> str:
+def _host(job: Job) -> str:
     # A stored target that no longer parses as a URL is published with no host: it
     # must not stop its batch from being published (its call fails on its own).
     try:
-        return target_host(url)
+        return target_key(job)
     except ValueError:
         return ""
 
@@ -109,8 +109,8 @@ def _host(url: str) -> str:
 # What the due read needs of a run and its job; a misfired run's job is read whole.
 DUE_FIELDS = (
     "id", "job_id", "partition", "scheduled_for", "due_at", "status", "attempt", "is_backfill",
-    "job__id", "job__window_seconds", "job__target", "job__schedule", "job__schedule_list", "job__every_seconds",
-    "job__misfire",
+    "job__id", "job__window_seconds", "job__target", "job__task", "job__queue", "job__schedule",
+    "job__schedule_list", "job__every_seconds", "job__misfire",
 )
 
 

@@ -297,6 +297,16 @@ CELERY_TASK_DEFAULT_QUEUE = env_str("SCHEDULER_RUN_QUEUE", "runs")
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 
+# Celery task targets (runs.publishing): where a task job's run publishes its task.
+# By default the scheduler's own broker; the embedded file-system broker works too,
+# for a target worker on the same machine reading the same folder.
+SCHEDULER_TASK_BROKER_URL = env_str("SCHEDULER_TASK_BROKER_URL") or CELERY_BROKER_URL
+SCHEDULER_TASK_BROKER_TRANSPORT_OPTIONS = (
+    dict(CELERY_BROKER_TRANSPORT_OPTIONS)
+    if SCHEDULER_TASK_BROKER_URL == CELERY_BROKER_URL == "filesystem://"
+    else {}
+)
+
 ZOOKEEPER_HOSTS = env_str("ZOOKEEPER_HOSTS")
 
 # The scheduler's own knobs (CONTRACT.md's table, plus a few of ours).

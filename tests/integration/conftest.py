@@ -50,12 +50,15 @@ class Stack:
         return self._start(name, argv)
 
     def worker(self, name: str, concurrency: int = 2, pool: str = "prefork") -> Proc:
-        argv = [
+        return self._start(name, self.worker_argv(name, concurrency, pool))
+
+    @staticmethod
+    def worker_argv(name: str, concurrency: int = 2, pool: str = "prefork") -> list[str]:
+        return [
             sys.executable, "-m", "celery", "-A", "scheduler_project", "worker", "-l", "INFO",
             "-c", str(concurrency), "-P", pool, "-n", f"{name}@%h",
             "--without-heartbeat", "--without-gossip", "--without-mingle",
         ]
-        return self._start(name, argv)
 
     def _start(self, name: str, argv: list[str]) -> Proc:
         proc = Proc(name, argv, self.env, self.log_dir)

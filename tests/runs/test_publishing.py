@@ -1,0 +1,248 @@
+"""Celery task targets in the worker: after the claim, a run publishes one Celery
+message (protocol 2) to SCHEDULER_TASK_BROKER_URL instead of calling a URL."""
+from __future__ import annotations
+
+import base64
+import json
+import socket
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from django.conf import settings
+from django.core.management import call_command
+from django.test import override_settings
+from django.utils import timezone
+
+from jobs.models import Job
+from jobs.services import job_create, service_tasks_grant
+from runs import ops
+from runs.models import Run
+from runs.services import run_execute, run_execute_many
+from tests.factories import make_job
+
+pytestmark = pytest.mark.django_db(transaction=True)
+S = Run.Status
+
+
+def redis_broker() -> str:
+    url = settings.CELERY_BROKER_URL
+    if not url.startswith("redis://"):
+        pytest.skip("needs the production layout's Redis broker")
+    return url
+
+
+@pytest.fixture
+def queue() -> str:
+    return f"tasks-test-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def granted(service: Any) -> Any:
+    service_tasks_grant(name=service.user.username, prefixes=["reports."])
+    return service.user
+
+
+def task_job(owner: Any, queue: str, **fields: Any) -> Job:
+    values: dict[str, Any] = {
+        "name": "t", "schedule": "*/5 * * * *", "task": "reports.tasks.rebuild", "queue": queue,
+        "args": [7, "full"], "kwargs": {"dry_run": False}, "retry_base_seconds": 1,
+    }
+    values.update(fields)
+    return job_create(owner=owner, fields=values)
+
+
+def queue_now(job: Job) -> Run:
+    run = Run.objects.get(job=job, status=S.SCHEDULED, is_backfill=False)
+    Run.objects.filter(pk=run.pk).update(status=S.QUEUED, queued_at=timezone.now(), due_at=timezone.now())
+    run.refresh_from_db()
+    return run
+
+
+def types(run: Run) -> list[str]:
+    return list(run.events.order_by("at", "id").values_list("type", flat=True))
+
+
+def messages(url: str, queue: str) -> list[dict[str, Any]]:
+    """The Celery messages waiting on a Redis queue, as kombu's Redis transport stores them."""
+    client = redis.Redis.from_url(url)
+    try:
+        return [json.loads(raw) for raw in client.lrange(queue, 0, -1)]
+    finally:
+        client.delete(queue)
+        client.close()
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]  # closed again when the block ends: nothing listens there
+
+
+def test_a_task_jobs_run_publishes_one_celery_message_with_the_run_headers(granted: Any, queue: str) -> None:
+    url = redis_broker()
+    job = task_job(granted, queue)
+    run = queue_now(job)
+    with override_settings(SCHEDULER_TASK_BROKER_URL=url):
+        assert run_execute(run_id=run.pk, worker="w1") == "succeeded"
+    run.refresh_from_db()
+    assert run.status == S.SUCCEEDED and run.fence == 1 and run.attempt == 1
+    assert types(run) == ["scheduled", "claimed", "published", "succeeded"]
+    [message] = messages(url, queue)
+    headers = message["headers"]
+    assert headers["task"] == "reports.tasks.rebuild" and headers["lang"] == "py"  # Celery protocol 2
+    assert headers["idempotency_key"] == run.idempotency_key == f"{job.public_id}@{run.scheduled_for:%Y-%m-%dT%H:%M:%SZ}"
+    assert (headers["fence_token"], headers["attempt"], headers["run_id"]) == (1, 1, run.public_id)
+    assert headers["scheduled_for"] == f"{run.scheduled_for:%Y-%m-%dT%H:%M:%SZ}"
+    args, kwargs, _embed = json.loads(base64.b64decode(message["body"]))
+    assert (args, kwargs) == ([7, "full"], {"dry_run": False})
+    published = run.events.get(type="published").detail
+    assert published["queue"] == queue and published["task_id"] == headers["id"]
+    assert published["broker"] == url and published["fence"] == 1
+    assert Run.objects.filter(job=job, status=S.SCHEDULED).count() == 1  # the next run
+
+
+def test_the_published_event_shows_the_broker_without_its_password(granted: Any, queue: str) -> None:
+    url = redis_broker().replace("redis://", "redis://:hunter2@")  # Redis without auth ignores... or refuses
+    job = task_job(granted, queue, retry_max=0)
+    run = queue_now(job)
+    with override_settings(SCHEDULER_TASK_BROKER_URL=url):
+        run_execute(run_id=run.pk, worker="w1")
+    text = json.dumps(list(run.events.values_list("detail", flat=True))) + Run.objects.get(pk=run.pk).last_error
+    assert "hunter2" not in text and ":**@" in text
+    messages(redis_broker(), queue)
+
+
+def test_a_broker_that_refuses_the_publish_is_retried_then_dead(granted: Any, queue: str) -> None:
+    job = task_job(granted, queue, retry_max=1)
+    run = queue_now(job)
+    url = f"redis://127.0.0.1:{closed_port()}/0"
+    with override_settings(SCHEDULER_TASK_BROKER_URL=url):
+        assert run_execute(run_id=run.pk, worker="w1") == "retry_scheduled"
+        run.refresh_from_db()
+        assert "connection refused" in run.last_error and url.split("//")[1] in run.last_error
+        Run.objects.filter(pk=run.pk).update(status=S.QUEUED, due_at=timezone.now())
+        assert run_execute(run_id=run.pk, worker="w1") == "dead"
+    run.refresh_from_db()
+    assert run.status == S.DEAD and run.attempt == 2
+    dead = run.events.get(type="dead").detail["reason"]
+    assert dead.startswith("out of tries after 2 attempts: publish to") and "connection refused" in dead
+    assert "published" not in types(run)
+
+
+def test_a_run_whose_task_grant_was_revoked_ends_dead_unpublished(granted: Any, queue: str) -> None:
+    url = redis_broker()
+    job = task_job(granted, queue)
+    run = queue_now(job)
+    call_command("grant_tasks", granted.username, "--revoke", "reports.", stdout=open("/dev/null", "w"))
+    with override_settings(SCHEDULER_TASK_BROKER_URL=url):
+        assert run_execute(run_id=run.pk, worker="w1") == "dead"
+    run.refresh_from_db()
+    assert run.status == S.DEAD and run.attempt == 1
+    assert run.last_error.startswith("task refused: 'reports.tasks.rebuild' is not granted to reports")
+    assert messages(url, queue) == []
+
+
+def test_in_a_batch_one_runs_refusal_costs_that_run_only(granted: Any, queue: str, other_service: Any) -> None:
+    url = redis_broker()
+    service_tasks_grant(name="billing", prefixes=["billing."])
+    kept = task_job(granted, queue)
+    revoked = task_job(other_service.user, queue, task="billing.tasks.sync")
+    service_tasks_grant(name="billing", prefixes=["billing."], revoke=True)
+    runs = [queue_now(kept), queue_now(revoked)]
+    with override_settings(SCHEDULER_TASK_BROKER_URL=url):
+        outcomes = run_execute_many(run_ids=[r.pk for r in runs], worker="w1")
+    assert outcomes == {runs[0].pk: "succeeded", runs[1].pk: "dead"}
+    assert [m["headers"]["task"] for m in messages(url, queue)] == ["reports.tasks.rebuild"]
+
+
+def test_pause_target_celery_queue_holds_a_task_jobs_runs_and_resume_releases_them(granted: Any, queue: str) -> None:
+    job = task_job(granted, queue)
+    url_job = make_job(owner=granted, target="http://127.0.0.1:9/hook")
+    other = task_job(granted, f"{queue}-other")
+    result = ops.target_pause(host=f"celery:{queue}")
+    assert result.host == f"celery:{queue}" and result.jobs == 1 and result.runs == 1
+    assert Run.objects.get(job=job).held is True
+    assert Run.objects.get(job=other).held is False
+    assert not Run.objects.filter(job=url_job, held=True).exists()
+    # A run made while the queue is paused is made held too (runs.services.is_held).
+    from runs.services import is_held
+
+    assert is_held(Job.objects.get(pk=job.pk)) and not is_held(Job.objects.get(pk=other.pk))
+    released = ops.target_resume(host=f"celery:{queue}")
+    assert released.runs == 1 and Run.objects.get(job=job).held is False
+
+
+def test_pause_target_command_takes_a_celery_key_and_refuses_a_bad_queue(granted: Any, queue: str) -> None:
+    job = task_job(granted, queue)
+    call_command("pause_target", f"celery:{queue}", stdout=open("/dev/null", "w"))
+    assert Run.objects.get(job=job).held is True
+    from django.core.management import CommandError
+
+    with pytest.raises(CommandError, match="is not a queue name"):
+        call_command("pause_target", "celery:bad queue", stdout=open("/dev/null", "w"))
+    call_command("resume_target", f"celery:{queue}", stdout=open("/dev/null", "w"))
+    assert Run.objects.get(job=job).held is False
+
+
+@pytest.mark.embedded
+def test_the_embedded_file_system_broker_can_carry_task_targets(granted: Any, queue: str, tmp_path: Path) -> None:
+    folder = tmp_path / "broker"
+    folder.mkdir()
+    options = {"data_folder_in": str(folder), "data_folder_out": str(folder), "store_processed": False}
+    job = task_job(granted, queue)
+    run = queue_now(job)
+    with override_settings(SCHEDULER_TASK_BROKER_URL="filesystem://", SCHEDULER_TASK_BROKER_TRANSPORT_OPTIONS=options):
+        assert run_execute(run_id=run.pk, worker="w1") == "succeeded"
+    [path] = [p for p in folder.iterdir() if p.name.endswith(f".{queue}.msg")]
+    headers = json.loads(path.read_text())["headers"]
+    assert headers["task"] == "reports.tasks.rebuild" and headers["idempotency_key"] == run.idempotency_key
+
+
+@pytest.fixture
+def rabbitmq_vhost() -> Any:
+    """A vhost of this test's own on the machine's RabbitMQ (docs: RECIPES), removed after."""
+    import shutil
+    import subprocess
+
+    if shutil.which("rabbitmqctl") is None:
+        pytest.skip("RabbitMQ is not installed")
+    try:
+        socket.create_connection(("127.0.0.1", 5672), timeout=1).close()
+    except OSError:
+        pytest.skip("RabbitMQ is not running on 127.0.0.1:5672")
+    vhost = f"sched-tasks-{uuid.uuid4().hex[:8]}"
+
+    def ctl(*args: str) -> None:
+        subprocess.run(["rabbitmqctl", *args], check=True, capture_output=True, timeout=60)
+
+    ctl("add_vhost", vhost)
+    try:
+        ctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
+        yield f"amqp://guest:guest@127.0.0.1:5672/{vhost}"
+    finally:
+        ctl("delete_vhost", vhost)
+
+
+def test_on_amqp_the_run_succeeds_on_the_brokers_confirm_and_the_message_waits_on_its_queue(
+    granted: Any, queue: str, rabbitmq_vhost: str
+) -> None:
+    from kombu import Connection
+
+    from runs.publishing import _transport_options
+
+    assert _transport_options(rabbitmq_vhost, 5)["confirm_publish"] is True
+    job = task_job(granted, queue)
+    run = queue_now(job)
+    with override_settings(SCHEDULER_TASK_BROKER_URL=rabbitmq_vhost):
+        assert run_execute(run_id=run.pk, worker="w1") == "succeeded"
+    # Declared by the publish (as `celery worker -Q <queue>` would): it waits for a consumer.
+    with Connection(rabbitmq_vhost) as conn:
+        message = conn.SimpleQueue(queue).get(timeout=5)
+        headers = message.headers
+        message.ack()
+    assert headers["task"] == "reports.tasks.rebuild" and headers["idempotency_key"] == run.idempotency_key
+    assert headers["fence_token"] == 1
+    assert run.events.get(type="published").detail["broker"] == rabbitmq_vhost.replace(":guest@", ":**@")
