@@ -528,7 +528,8 @@ def _claim_and_call(
     to_call = [c for c in calls if c.request is not None or c.message is not None]
     with Heartbeat([c.claim for c in to_call], lease, [gates[c.run.pk].slot for c in to_call]):
         _call_all(to_call, {c.run.pk: gates[c.run.pk].host for c in to_call})
-    failed_early = [c for c in calls if c.request is None and c.message is None and c.result is not None]  # DNS
+    # Failed before any call was made (e.g. a DNS failure): told to the breaker too.
+    failed_early = [c for c in calls if c.request is None and c.message is None and c.result is not None]
     for call in to_call + failed_early:
         gates[call.run.pk].called = True
     _tell_breakers(to_call + failed_early, gates)
