@@ -177,6 +177,8 @@ def plan_task(task: Any, *, owner: Any, now: datetime, exists: bool = False) -> 
         plan.beat_next = beat_times(task, now, SHOWN)
         if task.one_off and not task.clocked_id:
             # beat runs a one_off once, at its next time: the job is a one-off then.
+            if not plan.ours_next:
+                raise Refused("a one_off with no time left before its expires")
             plan.body = _one_off_body(plan.body, plan.ours_next[0])
             plan.fields = _validated(plan.body, owner)
             plan.ours_next, plan.beat_next = plan.ours_next[:1], plan.beat_next[:1]
