@@ -36,3 +36,7 @@ def figures() -> dict[str, float]:
     values = _redis.mget("beat-dispatched", "beat-dispatched-last", "beat-executed", "beat-executed-last")
     names = ("dispatched", "dispatched_last", "executed", "executed_last")
     return {n: float(v) if v is not None else 0.0 for n, v in zip(names, values)}
+
+
+def reset() -> None:
+    _redis.delete("beat-dispatched", "beat-dispatched-last", "beat-executed", "beat-executed-last")

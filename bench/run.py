@@ -38,6 +38,9 @@ def main() -> int:
 
     p = sub.add_parser("beat", help="side by side with celery beat + django-celery-beat")
     p.add_argument("--schedules", type=int, default=10_000)
+    p.add_argument("--legs", default="beat,ours,tasks",
+                   help="legs to run (tasks always); a leg left out keeps its figures from bench/results/beat.json")
+    p.add_argument("--import-lead", type=int, default=1200, help="seconds allowed for import_beat before the due minute")
     scenarios.add_layout_options(p)
 
     p = sub.add_parser("failover", help="scanner and worker kill -9 to recovery")

@@ -133,7 +133,10 @@ class CallResult:
     @property
     def retryable(self) -> bool:
         # 408, 429, 5xx, a timeout and a refused connection are tried again;
-        # any other answer is final.
+        # any other answer is final. A task the broker accepted is a success, not
+        # trouble (it has no HTTP status): else the breaker opens after 5 publishes.
+        if self.published is not None:
+            return False
         if self.status is None:
             return True
         return self.status in RETRYABLE_STATUSES or self.status >= 500

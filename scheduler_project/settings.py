@@ -152,6 +152,9 @@ INSTALLED_APPS = [
     "runs",
     "scanners",
     "receiver",  # the target-side helper; the built-in echo target uses it
+    # django-celery-beat's tables, so `import_beat` can read a team's periodic tasks from
+    # this database (docs/from-celery-beat.md); its admin pages come with it.
+    "django_celery_beat",
 ]
 
 MIDDLEWARE = [
@@ -476,5 +479,4 @@ LOGGING = {
 
 # Benches only (bench/run.py beat): the side-by-side with celery beat's DatabaseScheduler.
 if env_str("SCHEDULER_BENCH_BEAT") == "1":
-    INSTALLED_APPS.append("django_celery_beat")
     CELERY_IMPORTS = ["bench.beat_tasks"]

@@ -259,3 +259,18 @@ def test_requeue_dead_takes_a_celery_key_for_task_jobs(granted: Any, queue: str)
                                                partition=url_job.partition)]
     Run.objects.filter(pk__in=[r.pk for r in dead]).update(status=S.DEAD, finished_at=timezone.now())
     assert list(ops.dead_runs(host=ops.check_host(f"celery:{queue}"))) == [dead[0]]
+
+
+def test_runs_the_broker_accepted_do_not_open_the_queues_breaker(granted: Any, queue: str) -> None:
+    """A publish has no HTTP status; it once counted as trouble, so five accepted
+    publishes in a row opened celery:<queue>'s breaker and held every run after
+    (found by bench/run.py beat's task leg)."""
+    from runs.models import TargetBreaker
+
+    url = redis_broker()
+    jobs = [task_job(granted, queue, name=f"t{i}") for i in range(7)]
+    with override_settings(SCHEDULER_TASK_BROKER_URL=url):
+        outcomes = [run_execute(run_id=queue_now(job).pk, worker="w1") for job in jobs]
+    assert outcomes == ["succeeded"] * 7
+    assert len(messages(url, queue)) == 7
+    assert not TargetBreaker.objects.filter(host=f"celery:{queue}").exclude(state=TargetBreaker.State.CLOSED).exists()
