@@ -38,12 +38,25 @@ def said_timeline() -> list[str]:
     return re.findall(r"`(\w+)`", prose)
 
 
+def readme_port() -> int | None:
+    """8100, the port the issue's newcomer tried (`--port 8100`), when it is free here;
+    else any free port (None), so a busy machine does not fail the test."""
+    import socket
+
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", 8100))
+        except OSError:
+            return None
+    return 8100
+
+
 @pytest.fixture(scope="module")
 def quickstart(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Quickstart]:
     if os.environ.get("DATABASE_URL"):
         pytest.skip("runs in the embedded pass of scripts/test.sh")
     here = tmp_path_factory.mktemp("quickstart")
-    started = Quickstart(here / "var", here / "quickstart.log")
+    started = Quickstart(here / "var", here / "quickstart.log", port=readme_port())
     try:
         started.wait_running()
         yield started
