@@ -290,6 +290,11 @@ if CELERY_BROKER_URL == "filesystem://":
         "control_folder": str(_broker_dir / "control"),
         "store_processed": False,
     }
+if CELERY_BROKER_URL.startswith(("amqp", "pyamqp")):
+    # RabbitMQ: a publish returns once the broker has taken the message (publisher
+    # confirms), so a message the broker never took is an error the scanner sees (its
+    # run stays queued and is published again), not a message lost without a word.
+    CELERY_BROKER_TRANSPORT_OPTIONS = {"confirm_publish": True}
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_ACKS_LATE = False  # the store, not the broker, decides who runs a run
 CELERY_WORKER_PREFETCH_MULTIPLIER = 4
