@@ -61,7 +61,7 @@ def test_when_rabbitmq_closes_every_scheduler_connection_under_load_every_run_st
     stack.worker("worker-a")
     stack.worker("worker-b")
     wait_for(lambda: outages.split(scanners), 30, what="the two scanners to split the partitions")
-    run_ids = outages.one_offs(counting.url(), first_in=2, seconds=30, per_second=4)
+    run_ids = outages.one_offs(counting.url(), first_in=2, seconds=22, per_second=4)
 
     recovered: list[float] = []
     closed: list[int] = []
@@ -89,5 +89,8 @@ def test_when_rabbitmq_closes_every_scheduler_connection_under_load_every_run_st
           f"median {lateness[len(lateness) // 2]:.2f} s, max {lateness[-1]:.2f} s")
     found = outages.verdict(run_ids, counting, once_per_key=False)
     assert outages.problems(found) == {}, found
+    # No message was lost at a close: no run waited for SCHEDULER_REQUEUE_AFTER to be published again
+    # (a publish cut off is retried, confirmed; a message a worker had not acked is delivered again).
+    assert outages.events_between(run_ids, "requeued", 0, time.time()) == []
     assert all(n >= 4 for n in closed), closed  # both scanners' and both workers' connections were closed
-    assert len(run_ids) == 120 and found["runs"] == 120
+    assert len(run_ids) == 88 and found["runs"] == 88
