@@ -320,11 +320,20 @@ if CELERY_BROKER_URL == "filesystem://":
         "control_folder": str(_broker_dir / "control"),
         "store_processed": False,
     }
+if CELERY_BROKER_URL.startswith(("amqp", "pyamqp")):
+    # RabbitMQ: a publish returns once the broker has taken the message (publisher
+    # confirms), so a message the broker never took is an error the scanner sees (its
+    # run stays queued and is published again), not a message lost without a word.
+    CELERY_BROKER_TRANSPORT_OPTIONS = {"confirm_publish": True}
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_ACKS_LATE = False  # the store, not the broker, decides who runs a run
 CELERY_WORKER_PREFETCH_MULTIPLIER = 4
 CELERY_TASK_DEFAULT_QUEUE = env_str("SCHEDULER_RUN_QUEUE", "runs")
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# A worker that loses its broker connection keeps its calls in flight: the run tasks
+# ack on receipt (above), and only late-acked tasks are cancelled. Celery 6's default,
+# said here so that a connection loss does not warn about it.
+CELERY_WORKER_CANCEL_LONG_RUNNING_TASKS_ON_CONNECTION_LOSS = True
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 
 # Celery task targets (runs.publishing): where a task job's run publishes its task.

@@ -20,6 +20,7 @@ from django.db import connection
 from bench.harness import Proc
 from bench.soak_stack import PrivateRedis
 from jobs.services import service_account_ensure
+from tests.rabbitmq import RabbitVhost, rabbit_vhost_or_skip
 from tests.target import LoopbackTarget
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,12 +75,45 @@ class Stack:
         return "\n".join(f"----- {p.name} -----\n{p.output()[-4000:]}" for p in self.procs)
 
 
+class Broker:
+    """The run queue's broker for a test's processes: the suite's Redis, or a fresh
+    RabbitMQ vhost (`vhost`) made for the test and deleted after it."""
+
+    def __init__(self, kind: str, url: str, vhost: RabbitVhost | None = None) -> None:
+        self.kind, self.url, self.vhost = kind, url, vhost
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test marked `amqp` runs twice: on the suite's Redis and on a RabbitMQ vhost."""
+    if metafunc.definition.get_closest_marker("amqp") and "broker" in metafunc.fixturenames:
+        metafunc.parametrize("broker", ["redis", "amqp"], indirect=True)
+
+
 @pytest.fixture
-def integration_env(transactional_db: None, tmp_path: Path) -> dict[str, str]:
+def broker(request: pytest.FixtureRequest) -> Iterator[Broker]:
+    kind = getattr(request, "param", "redis")
+    if kind == "redis":
+        yield Broker("redis", os.environ.get("CELERY_BROKER_URL", ""))
+        return
+    if not os.environ.get("ZOOKEEPER_HOSTS") or connection.vendor != "postgresql":
+        pytest.skip("needs the production layout (scripts/test.sh sets it up)")  # before making a vhost
+    with rabbit_vhost_or_skip() as vhost:
+        yield Broker("amqp", vhost.url, vhost)
+
+
+@pytest.fixture
+def integration_env(transactional_db: None, tmp_path: Path, broker: Broker) -> dict[str, str]:
     if not os.environ.get("ZOOKEEPER_HOSTS") or connection.vendor != "postgresql":
         pytest.skip("needs the production layout (scripts/test.sh sets it up)")
     db = connection.settings_dict
     env = dict(os.environ)
+    if broker.kind == "amqp":
+        # The processes' run queue on RabbitMQ; their bulkhead follows the broker
+        # (SCHEDULER_BULKHEAD's default: `database` for any broker but Redis).
+        env.pop("SCHEDULER_BULKHEAD_REDIS_URL", None)
+        env.pop("SCHEDULER_BULKHEAD", None)
+        env.pop("SCHEDULER_TASK_BROKER_URL", None)
+        env["CELERY_BROKER_URL"] = broker.url
     env.update(
         {
             "DATABASE_URL": f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}",

@@ -1,5 +1,9 @@
 """From due to done with real processes: two scanners (ZooKeeper leases), two Celery
-workers (Redis), PostgreSQL, the API on a live server and a loopback HTTP target."""
+workers (Redis), PostgreSQL, the API on a live server and a loopback HTTP target.
+
+The tests marked `amqp` run again with the processes' broker on a fresh RabbitMQ
+vhost (tests/integration/conftest.py: the `broker` fixture), where the bulkhead's
+slots are rows in the database (SCHEDULER_BULKHEAD's default for any broker but Redis)."""
 from __future__ import annotations
 
 import signal
@@ -13,8 +17,8 @@ from django.conf import settings
 
 from jobs.models import Job
 from jobs.services import job_create, service_account_ensure
-from runs.models import Run
-from tests.integration.conftest import Api, PrivateRedis, Stack, wait_for
+from runs.models import Run, TargetSlot
+from tests.integration.conftest import Api, Broker, PrivateRedis, Stack, wait_for
 from tests.target import LoopbackTarget
 
 pytestmark = [pytest.mark.integration, pytest.mark.zookeeper]
@@ -43,6 +47,7 @@ def event_types(run: Run) -> list[str]:
     return list(run.events.order_by("at", "id").values_list("type", flat=True))
 
 
+@pytest.mark.amqp
 def test_runs_created_through_the_api_reach_succeeded_with_one_call_each(
     stack: Stack, api: Api, target: LoopbackTarget
 ) -> None:
@@ -81,6 +86,7 @@ def test_runs_created_through_the_api_reach_succeeded_with_one_call_each(
     assert Run.objects.filter(job_id=job_pk(jobs[2]), status=S.SCHEDULED).count() == 1
 
 
+@pytest.mark.amqp
 def test_a_flaky_target_is_retried_with_one_key_and_rising_fences(stack: Stack, api: Api, target: LoopbackTarget) -> None:
     stack.scanner("scanner-a")
     stack.worker("worker-a")
@@ -113,13 +119,19 @@ def _kill_env(stack: Stack) -> None:
     stack.env["SCHEDULER_LEASE_SECONDS"] = "3"
 
 
-def test_a_worker_killed_mid_call_is_replaced_with_a_higher_fence(stack: Stack, api: Api, target: LoopbackTarget) -> None:
+@pytest.mark.amqp
+def test_a_worker_killed_mid_call_is_replaced_with_a_higher_fence(
+    stack: Stack, api: Api, target: LoopbackTarget, broker: Broker
+) -> None:
     _kill_env(stack)
     stack.scanner("scanner-a")
     doomed = stack.worker("doomed")
     target.delay("/slow", 2)
     job = api.create_job(delay="1s", target=target.url("/slow"))
     wait_for(lambda: target.calls("/slow"), 30, what="the first call to arrive")
+    if broker.kind == "amqp":
+        # Not Redis: the doomed call's bulkhead slot is a row, which its lease must free for the rescuer.
+        assert TargetSlot.objects.count() == 1
     doomed.kill()
     stack.worker("rescuer")
     run = wait_for(lambda: finished(job), 60, what="the run to succeed after the kill")
@@ -129,8 +141,15 @@ def test_a_worker_killed_mid_call_is_replaced_with_a_higher_fence(stack: Stack, 
     assert types.count("claimed") == 2 and "lease_expired" in types
 
 
+@pytest.mark.amqp
 def test_a_frozen_workers_late_result_is_refused_by_the_fence(stack: Stack, api: Api, target: LoopbackTarget) -> None:
     _kill_env(stack)
+    # RabbitMQ pushes messages to every consumer with room in its prefetch window, the
+    # frozen worker's too: the run put back on the queue when the lease runs out may be
+    # pushed to the frozen worker, where it waits until a scanner publishes it again
+    # (SCHEDULER_REQUEUE_AFTER, 30 s by default; 5 s here). Redis is pulled from: only
+    # a worker that is awake takes a message.
+    stack.env["SCHEDULER_REQUEUE_AFTER"] = "5"
     stack.scanner("scanner-a")
     frozen = stack.worker("frozen")
     target.delay("/slow", 1)

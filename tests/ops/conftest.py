@@ -21,7 +21,7 @@ from runs.ops import OPERATOR_GROUP, READONLY_GROUP
 from tests.factories import make_run
 
 # The real-process fixtures, for the browser test (tests/integration/conftest.py makes them).
-from tests.integration.conftest import integration_env, stack  # noqa: F401
+from tests.integration.conftest import broker, integration_env, stack  # noqa: F401
 from tests.target import LoopbackTarget
 
 S = Run.Status

@@ -2,4 +2,5 @@
 (and its report hook, so a failing test prints the processes' logs)."""
 from __future__ import annotations
 
-from tests.integration.conftest import integration_env, pytest_runtest_makereport, stack  # noqa: F401
+from tests.integration.conftest import (  # noqa: F401
+    broker, integration_env, pytest_generate_tests, pytest_runtest_makereport, stack)
