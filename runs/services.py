@@ -545,12 +545,14 @@ class Call:
     result: CallResult | None = None
 
 
-def _claim_and_call(
-    runs: list[Run], worker: str, lease: timedelta, gates: dict[int, Gate], outcomes: dict[int, str]
-) -> None:
+def run_claim_many(*, runs: list[Run], worker: str, lease: timedelta) -> list[Claim]:
+    """The claim step of the run path, one transaction: the batch's runs claimed in one
+    statement (claims.claim_many: a run someone else holds is not returned), their
+    `claimed` events, and, for an overlap-allow job's run, its job's next run
+    (_detach_claimed). `runs` carry their job (select_related), read before the claim."""
     with transaction.atomic():
         now = claims.store_now()
-        # Overlap allow: the jobs are locked before any run row (the order an edit takes).
+        # Overlap allow: those jobs are locked before any run row (the order an edit takes).
         allow_jobs = jobs_lock(r.job_id for r in runs if _may_detach(r, r.job))
         taken = claims.claim_many(run_ids=[r.pk for r in runs], worker=worker, lease=lease)
         events.record_many(
@@ -558,6 +560,13 @@ def _claim_and_call(
         )
         runs_by_id = {r.pk: r for r in runs}
         _detach_claimed([(runs_by_id[c.run_id], c) for c in taken], allow_jobs, now)
+    return taken
+
+
+def _claim_and_call(
+    runs: list[Run], worker: str, lease: timedelta, gates: dict[int, Gate], outcomes: dict[int, str]
+) -> None:
+    taken = run_claim_many(runs=runs, worker=worker, lease=lease)
     by_id = {c.run_id: c for c in taken}
     calls = []
     for run in runs:

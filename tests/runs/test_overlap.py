@@ -555,6 +555,29 @@ def test_under_allow_dead_detached_runs_still_pause_the_job_after_failures(
     assert waiting_run(job).held
 
 
+@override_settings(SCHEDULER_MISFIRE_GRACE=10, SCHEDULER_BREAKER_FAILURES=10**6, SCHEDULER_LEASE_SECONDS=600)
+def test_under_allow_a_claim_whose_next_run_cannot_be_made_costs_that_run_only(
+    service: Any, target: HeldTarget, clock: Any
+) -> None:
+    from runs.services import run_execute_many
+
+    broken = make(service.user, target.url("/a"), overlap="allow")
+    fine = make(service.user, target.url("/b"), overlap="allow")
+    runs = [waiting_run(broken), waiting_run(fine)]
+    clock.move_to(max(r.due_at for r in runs))
+    assert set(scan().queued) == {r.pk for r in runs}
+    Job.objects.filter(pk=broken.pk).update(schedule="not a cron")  # its next time cannot be worked out
+    outcomes = run_execute_many(run_ids=[r.pk for r in runs], worker="w1")
+    assert outcomes[runs[1].pk] == "succeeded"
+    assert Run.objects.get(pk=runs[1].pk).detached and waiting_run(fine).scheduled_for > runs[1].scheduled_for
+    # The broken job's run was called all the same, stays its job's own run, and says why.
+    stuck = Run.objects.get(pk=runs[0].pk)
+    assert not stuck.detached and len(target.calls("/a")) == 1
+    [failed] = RunEvent.objects.filter(run=stuck, type="detach_failed")
+    assert failed.detail["reason"]  # the exception, in words
+    assert one_open_run_per_job() == []
+
+
 # --------------------------------------------------------------------------- pause_after_failures
 
 
