@@ -1,6 +1,6 @@
 """Benches on the production layout: `python bench/run.py SCENARIO [options]`.
 
-Scenarios: sustained, spike, scan, beat, failover, limits. Each prints a table
+Scenarios: sustained, spike, scan, beat, failover, limits, ops. Each prints a table
 and writes bench/results/<scenario>.json (with the machine it ran on).
 PostgreSQL and Redis must be up (scripts/test.sh leaves them so); the bench
 starts its own ZooKeeper on BENCH_ZK_PORT (21812) and its own target.
@@ -44,6 +44,11 @@ def main() -> int:
     p.add_argument("--lease", type=int, default=10)
 
     sub.add_parser("limits", help="the parts' ceilings on this box")
+
+    p = sub.add_parser("ops", help="the dashboard, the system page and /metrics with 10^7 runs")
+    p.add_argument("--runs", type=int, default=10_000_000, help="finished runs in the table")
+    p.add_argument("--repeat", type=int, default=20)
+    p.add_argument("--reuse", action="store_true", help="keep the bench database if it holds the rows already")
 
     args = parser.parse_args()
     return int(getattr(scenarios, args.scenario)(args) or 0)

@@ -293,6 +293,12 @@ def scan(args: argparse.Namespace) -> int:
     return scan_scenario.run(args)
 
 
+def ops(args: argparse.Namespace) -> int:
+    from bench import ops_scenario
+
+    return ops_scenario.run(args)
+
+
 def beat(args: argparse.Namespace) -> int:
     from bench import beat_scenario
 

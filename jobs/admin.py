@@ -21,6 +21,7 @@ from django.db import transaction
 from django.db.models import OuterRef, QuerySet, Subquery
 from django.contrib.admin.utils import unquote
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 
@@ -29,7 +30,7 @@ from jobs.audit import audit_record
 from jobs.code import code_owned_refusal
 from jobs.models import Job, ServiceAccount, ServiceToken
 from jobs.ops import TriggerRefused, job_trigger
-from jobs.public_ids import parse_id
+from jobs.public_ids import format_id, parse_id
 from jobs.serializers import JobSerializer
 from jobs.validators import METHODS, target_key, validate_task_prefix
 from runs.delivery import iso_z
@@ -40,7 +41,11 @@ PREVIEW_COUNT = 5
 FORM_TO_API = {
     "name": "name",
     "schedule": "schedule",
+    "every": "every",
     "at": "at",
+    "starts_at": "starts_at",
+    "ends_at": "ends_at",
+    "exclude": "exclude",
     "timezone": "timezone",
     "window": "window",
     "misfire": "misfire",
@@ -78,7 +83,10 @@ def local_time(when: datetime, zone: str) -> str:
 
 def schedule_words(job: Job) -> str:
     if job.is_recurring:
-        return schedule.describe_cron(job.schedule, job.timezone)
+        try:
+            return schedule.describe_timetable(job.timetable())
+        except ValueError:
+            return job.schedule or ", ".join(job.schedule_list) or "-"
     if job.run_at is not None:
         zone = "" if job.timezone == "UTC" else f" ({job.timezone})"
         return f"once at {local_time(job.run_at, job.timezone)}{zone}"
@@ -89,10 +97,13 @@ def next_times(job: Job, now: datetime, count: int = PREVIEW_COUNT) -> list[date
     if not job.is_recurring:
         return [job.run_at] if job.run_at is not None else []
     times: list[datetime] = []
-    after = now
+    after: datetime | None = now
     try:
+        timetable = job.timetable()
         for _ in range(count):
-            after = schedule.next_cron_time(job.schedule, job.timezone, after)
+            after = schedule.next_time(timetable, after, keep=0).time
+            if after is None:
+                break  # past ends_at
             times.append(after)
     except ValueError:
         pass  # a stored expression that no longer parses: show what we have
@@ -114,13 +125,30 @@ class JobAdminForm(forms.ModelForm):
     name = forms.CharField(required=False, max_length=200)
     schedule = forms.CharField(
         required=False,
-        max_length=200,
-        help_text="5-field cron, in the time zone below, like 0 2 * * *. Empty for a one-off.",
+        max_length=2200,
+        widget=forms.Textarea(attrs={"rows": 2}),
+        help_text="5-field cron, in the time zone below, like 0 2 * * *; several, one a line, for the union "
+        "of their times. Empty for a one-off or an every job.",
+    )
+    every = forms.CharField(
+        required=False,
+        help_text='An interval instead of a schedule, like "90m" (1s to 366d), counted in UTC from starts_at '
+        "or the job's creation.",
     )
     at = forms.CharField(
         required=False,
         label="At (one-off)",
         help_text="ISO 8601, like 2026-10-28T20:30:00Z; with no offset, a wall-clock time in the time zone.",
+    )
+    starts_at = forms.CharField(
+        required=False, help_text="Recurring jobs: no run before this time (ISO 8601, like the one-off time)."
+    )
+    ends_at = forms.CharField(
+        required=False, help_text="Recurring jobs: no run after this time; past it the job is completed."
+    )
+    exclude = forms.CharField(
+        required=False,
+        help_text="Recurring jobs: comma-separated dates (YYYY-MM-DD, in the time zone below) with no run.",
     )
     timezone = forms.CharField(initial="UTC", max_length=64, help_text="An IANA name, like Asia/Kolkata.")
     window = forms.CharField(initial="0s", help_text='The run may start up to this long after its time ("5m").')
@@ -210,8 +238,12 @@ class JobAdminForm(forms.ModelForm):
         retry = data.get("retry") or {}
         return {
             "name": data["name"],
-            "schedule": data["schedule"] or "",
+            "schedule": "\n".join(data["schedule"]) if isinstance(data["schedule"], list) else data["schedule"] or "",
+            "every": data["every"] or "",
             "at": data["at"] or "",
+            "starts_at": data["starts_at"] or "",
+            "ends_at": data["ends_at"] or "",
+            "exclude": ", ".join(data["exclude"] or []),
             "timezone": data["timezone"],
             "window": data["window"],
             "misfire": data["misfire"],
@@ -255,11 +287,13 @@ class JobAdminForm(forms.ModelForm):
                     continue  # the form's HTTP defaults, not given for a task
             if not is_task and name in ("args", "kwargs", "queue") and not value:
                 continue
-            if name == "secret_headers":
+            if name in ("secret_headers", "exclude"):
                 value = [part.strip() for part in (value or "").split(",") if part.strip()]
-            elif name in ("schedule", "at", "notify", "name", "paused_until") and value == "":
-                if not editing and name in ("schedule", "at", "paused_until"):
-                    continue  # exactly one of them is given on create
+            elif name == "schedule" and "\n" in value.strip():
+                value = [line.strip() for line in value.splitlines() if line.strip()]
+            elif name in ("schedule", "every", "at", "starts_at", "ends_at", "notify", "name", "paused_until") and value == "":
+                if not editing and name in ("schedule", "every", "at", "starts_at", "ends_at", "paused_until"):
+                    continue  # exactly one timing is given on create
                 value = None if name != "name" else ""
             elif name == "notify_on":
                 value = list(value or [])
@@ -353,17 +387,18 @@ def _last_outcome() -> Subquery:
 @admin.register(Job)
 class JobAdmin(admin.ModelAdmin):
     form = JobAdminForm
+    # Columns chosen to fit a 1366 px window: the next run in UTC with the job's zone under it.
     list_display = (
         "public_id",
         "name",
-        "state",
+        "state_badge",
         "owner",
         "schedule_in_words",
-        "next_run_utc",
-        "next_run_local",
+        "next_run",
         "last_outcome",
         "target_host",
         "defined_in",
+        "runs_link",
     )
     list_filter = ("state", "owner", TargetHostFilter, "paused", "misfire", "overlap", CodeOwnedFilter)
     search_fields = ("name", "target", "task")
@@ -388,7 +423,11 @@ class JobAdmin(admin.ModelAdmin):
                 {
                     "fields": (
                         "schedule",
+                        "every",
                         "at",
+                        "starts_at",
+                        "ends_at",
+                        "exclude",
                         "timezone",
                         "schedule_in_words",
                         "next_times_preview",
@@ -479,7 +518,47 @@ class JobAdmin(admin.ModelAdmin):
 
     @admin.display(description="last outcome", ordering="last_outcome_status")
     def last_outcome(self, job: Job) -> str:
-        return getattr(job, "last_outcome_status", None) or "-"
+        status = getattr(job, "last_outcome_status", None)
+        return format_html('<span class="badge badge-{}">{}</span>', status, status) if status else "-"
+
+    @admin.display(description="state", ordering="state")
+    def state_badge(self, job: Job) -> str:
+        return format_html('<span class="badge badge-{}">{}</span>', job.state, job.get_state_display())
+
+    @admin.display(description="next run (UTC / job's zone)")
+    def next_run(self, job: Job) -> str:
+        run = self._next(job)
+        if run is None:
+            return "-"
+        text = iso_z(run.scheduled_for)
+        return format_html(
+            "{}<wbr>{}<br><small>{}</small>", text[:10], text[10:], local_time(run.scheduled_for, job.timezone)
+        )
+
+    @admin.display(description="runs")
+    def runs_link(self, job: Job) -> str:
+        return format_html('<a href="{}?job={}">runs</a>', reverse("admin:runs_run_changelist"), job.public_id)
+
+    def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
+        return super().changelist_view(request, dict(extra_context or {}, title="Jobs"))
+
+    # ---- the job page: a link to its runs and its latest run, kept up to date (scheduler/live.js)
+
+    def change_view(
+        self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: Any = None
+    ) -> HttpResponse:
+        context = dict(extra_context or {})
+        pk = parse_id("job", object_id)
+        if pk is not None:
+            latest = Run.objects.filter(job_id=pk).order_by("-scheduled_for", "-id").first()
+            finished = Run.objects.filter(job_id=pk, status__in=Run.TERMINAL).order_by("-scheduled_for", "-id")
+            context.update(
+                runs_url=f"{reverse('admin:runs_run_changelist')}?job={format_id('job', pk)}",
+                latest_run=latest,
+                latest_outcome=finished.first(),
+                latest_live_url=reverse("admin:runs_run_live", args=[latest.pk]) if latest else "",
+            )
+        return super().change_view(request, object_id, form_url, context)
 
     @admin.display(description="target host")
     def target_host(self, job: Job) -> str:
@@ -504,6 +583,10 @@ class JobAdmin(admin.ModelAdmin):
     @admin.display(description="at (one-off)")
     def at(self, job: Job) -> Any:
         return iso_z(job.run_at) if job.run_at else "-"
+
+    @admin.display(description="every")
+    def every(self, job: Job) -> str:
+        return schedule.format_duration(timedelta(seconds=job.every_seconds)) if job.every_seconds else "-"
 
     @admin.display(description="window")
     def window(self, job: Job) -> str:

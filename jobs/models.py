@@ -1,10 +1,13 @@
 """The job: what to call, with what, and when."""
 from __future__ import annotations
 
+from datetime import date, timedelta
+
 from django.conf import settings
 from django.db import models
 
 from jobs.public_ids import format_id
+from jobs.schedule import Timetable
 
 
 class ServiceAccount(models.Model):
@@ -59,9 +62,19 @@ class Job(models.Model):
 
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="jobs")
     name = models.CharField(max_length=200, blank=True)
-    # Exactly one of: a 5-field cron `schedule`, or a one-off `run_at` (from `at` or `delay`).
+    # Exactly one timing: a 5-field cron `schedule`, a list of them (`schedule_list`,
+    # the union of their times), an interval (`every_seconds`, counted in UTC from
+    # `starts_at` or the job's creation), or a one-off `run_at` (from `at` or `delay`).
+    # The one reading of them is `timetable()` (jobs.schedule.Timetable).
     schedule = models.CharField(max_length=200, blank=True)
+    schedule_list = models.JSONField(default=list, blank=True)
+    every_seconds = models.PositiveIntegerField(null=True, blank=True)
     run_at = models.DateTimeField(null=True, blank=True)
+    # Recurring jobs only: no run before starts_at or after ends_at; dates (YYYY-MM-DD,
+    # in `timezone`) on which no run happens (each such time gets a `skipped` row).
+    starts_at = models.DateTimeField(null=True, blank=True)
+    ends_at = models.DateTimeField(null=True, blank=True)
+    exclude = models.JSONField(default=list, blank=True)
     timezone = models.CharField(max_length=64, default="UTC")
     # Exactly one of `target` (an http(s) URL) and `task` (a Celery task name, with
     # `args`, `kwargs` and `queue`): jobs.serializers checks it, runs.publishing sends it.
@@ -97,7 +110,7 @@ class Job(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
     deleted_at = models.DateTimeField(null=True, blank=True)
-    # When the schedule, zone or one-off time last changed: the timetable goes on from
+    # When the schedule, zone, one-off time (or every, starts_at, ends_at, exclude) last changed: the timetable goes on from
     # there, never from before (runs.services.job_next_run_time).
     timing_changed_at = models.DateTimeField(null=True, blank=True)
     # Code-owned: the module (`billing.schedules`) whose SCHEDULES define this job;
@@ -147,7 +160,30 @@ class Job(models.Model):
 
     @property
     def is_recurring(self) -> bool:
-        return bool(self.schedule)
+        return bool(self.schedule or self.schedule_list or self.every_seconds)
+
+    @property
+    def cron_expressions(self) -> tuple[str, ...]:
+        """The job's cron expressions: its `schedule`, or each of its `schedule_list`."""
+        if self.schedule_list:
+            return tuple(self.schedule_list)
+        return (self.schedule,) if self.schedule else ()
+
+    def timetable(self) -> Timetable:
+        """The job's recurring timing as the clock's pure value (jobs.schedule)."""
+        every = timedelta(seconds=self.every_seconds) if self.every_seconds else None
+        anchor = self.starts_at or self.created_at
+        return Timetable(
+            zone=self.timezone,
+            crons=self.cron_expressions,
+            every=every,
+            # With no starts_at the first run is one interval after the creation.
+            anchor=(anchor.replace(microsecond=0) if anchor is not None else None) if every else None,
+            anchor_runs=self.starts_at is not None,
+            starts_at=self.starts_at,
+            ends_at=self.ends_at,
+            exclude=frozenset(date.fromisoformat(d) for d in self.exclude or ()),
+        )
 
     @property
     def partition(self) -> int:
@@ -193,6 +229,7 @@ class AuditEntry(models.Model):
 
     class Meta:
         db_table = "audit_log"
+        verbose_name_plural = "audit entries"
         ordering = ["-at", "-id"]
         indexes = [models.Index(fields=["object_type", "object_id"], name="audit_object_idx")]
 

@@ -10,12 +10,13 @@ way for every schedule.
 """
 from __future__ import annotations
 
+import heapq
 import math
 import random
 import re
 from collections import deque
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import date, datetime, time, timedelta
 from functools import lru_cache
 from typing import Iterator
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -35,10 +36,11 @@ _DURATION_RE = re.compile(r"([0-9]+)([smhd])")
 _DURATION_HOW = "use a whole number followed by s, m, h or d, like '90s' or '5m'"
 
 
-def parse_duration(text: str) -> timedelta:
+def parse_duration(text: str, *, longest: timedelta = _MAX_DURATION) -> timedelta:
     """"90s", "5m", "2h", "1d", "0s" -> timedelta. Raises ValueError with a sentence
     a user can read ("must be a number followed by s, m, h or d, like '5m'")
-    for anything else, negatives included. At most 365d."""
+    for anything else, negatives included. At most `longest` (365d unless told:
+    `every` may be 366d)."""
     if not isinstance(text, str):
         raise ValueError(f"{text!r} is not a duration: {_DURATION_HOW}")
     stripped = text.strip()
@@ -50,8 +52,8 @@ def parse_duration(text: str) -> timedelta:
     digits, unit = match.groups()
     # Check the size on the digits before int(): a 5,000-digit number would
     # otherwise hit Python's int-conversion limit with a less helpful message.
-    if len(digits) > 12 or int(digits) * _UNIT_SECONDS[unit] > _MAX_DURATION.total_seconds():
-        raise ValueError(f"{text!r} is too long: a duration can be at most 365d")
+    if len(digits) > 12 or int(digits) * _UNIT_SECONDS[unit] > longest.total_seconds():
+        raise ValueError(f"{text!r} is too long: a duration can be at most {format_duration(longest)}")
     return timedelta(seconds=int(digits) * _UNIT_SECONDS[unit])
 
 
@@ -423,6 +425,171 @@ def describe_cron(expr: str, zone: str) -> str:
     return fallback
 
 
+# --------------------------------------------------------------------------- timetables
+
+EVERY_SHORTEST = timedelta(seconds=1)
+EVERY_LONGEST = timedelta(days=366)
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+@dataclass(frozen=True)
+class Timetable:
+    """A recurring job's times, as pure data (runs.services.job_next_run_time reads
+    it; jobs.models.Job.timetable builds it).
+
+    - `crons`: 5-field expressions in `zone`; the times are the union of theirs,
+      each instant once (two expressions naming one instant give one time), each
+      expression under the DST rule (_wall_to_utc).
+    - or `every`: anchor + k * every in UTC, whole seconds, so a DST change cannot
+      move them. k starts at 0 when the anchor is `starts_at` (`anchor_runs`), at 1
+      when it is the job's creation (the first run is one interval later).
+    - `starts_at` / `ends_at`: no time before / after them (both included).
+    - `exclude`: dates in `zone`; a time on one of them is passed over (it is still
+      one of `timetable_times`, for the caller to record as skipped).
+    """
+
+    zone: str = "UTC"
+    crons: tuple[str, ...] = ()
+    every: timedelta | None = None
+    anchor: datetime | None = None
+    anchor_runs: bool = True
+    starts_at: datetime | None = None
+    ends_at: datetime | None = None
+    exclude: frozenset[date] = frozenset()
+
+    def is_excluded(self, when: datetime) -> bool:
+        return bool(self.exclude) and when.astimezone(get_zone(self.zone)).date() in self.exclude
+
+
+def _seconds(value: datetime) -> int:
+    """Whole seconds since the epoch, rounded down (exact: no float)."""
+    return (_as_utc(value) - _EPOCH) // timedelta(seconds=1)
+
+
+def _from_seconds(seconds: int) -> datetime:
+    return _EPOCH + timedelta(seconds=seconds)
+
+
+def _every_parts(tt: Timetable) -> tuple[int, int, int]:
+    """(anchor seconds, step seconds, first k) of an `every` timetable."""
+    assert tt.every is not None
+    step = int(tt.every.total_seconds())
+    if step < 1 or tt.every % timedelta(seconds=1):
+        raise ValueError(f"every must be whole seconds, at least 1s, not {tt.every}")
+    if tt.anchor is None:
+        raise ValueError("an every timetable needs its anchor (starts_at or the job's creation)")
+    return _seconds(tt.anchor), step, 0 if tt.anchor_runs else 1
+
+
+def _every_first_k(tt: Timetable, after: datetime) -> int:
+    """The first k whose time anchor + k * every is strictly after `after`.
+    A whole-second time t is after `after` exactly when t > floor(after)."""
+    anchor, step, first = _every_parts(tt)
+    return max(first, (_seconds(after) - anchor) // step + 1)
+
+
+def _every_times(tt: Timetable, after: datetime) -> Iterator[datetime]:
+    anchor, step, _ = _every_parts(tt)
+    k = _every_first_k(tt, after)
+    while True:
+        yield _from_seconds(anchor + k * step)
+        k += 1
+
+
+def timetable_times(tt: Timetable, after: datetime) -> Iterator[datetime]:
+    """Every time of the timetable strictly after `after`, in order, UTC, each
+    instant once, none before starts_at nor after ends_at. Excluded times are
+    included (see next_time). Validates at once, not at the first next()."""
+    after_utc = _as_utc(after, "start")
+    if tt.starts_at is not None:
+        # "Strictly after" one microsecond before starts_at: starts_at itself may run.
+        after_utc = max(after_utc, _as_utc(tt.starts_at, "starts_at") - timedelta(microseconds=1))
+    sources: list[Iterator[datetime]] = []
+    if tt.every is not None:
+        _every_parts(tt)
+        sources.append(_every_times(tt, after_utc))
+    if tt.crons:
+        zone = get_zone(tt.zone)
+        sources += [_nominal_to_utc(_checked(expr), zone, after_utc) for expr in tt.crons]
+    if not sources:
+        raise ValueError("the timetable has neither a cron schedule nor an every")
+    ends_at = _as_utc(tt.ends_at, "ends_at") if tt.ends_at is not None else None
+    return _union(heapq.merge(*sources), ends_at)
+
+
+def _union(times: Iterator[datetime], ends_at: datetime | None) -> Iterator[datetime]:
+    last = None
+    for instant in times:
+        if ends_at is not None and instant > ends_at:
+            return
+        if instant != last:
+            last = instant
+            yield instant
+
+
+def _start_of_next_day(when: datetime, zone: ZoneInfo) -> datetime:
+    """The UTC instant the local day after `when`'s begins (its 00:00, by the DST rule)."""
+    day = when.astimezone(zone).date() + timedelta(days=1)
+    return _wall_to_utc(datetime.combine(day, time(0)), zone)
+
+
+@dataclass(frozen=True)
+class NextTime:
+    """The timetable's next time to run after an instant, and the excluded times it
+    passed over on the way (each gets a `skipped` row, reason `excluded`)."""
+
+    time: datetime | None  # None: no time left (past ends_at)
+    excluded: list[datetime] = field(default_factory=list)  # the first `keep` passed over, oldest first
+    excluded_count: int = 0  # how many were passed over in all
+
+
+def next_time(tt: Timetable, after: datetime, *, keep: int = 100) -> NextTime:
+    """The first time strictly after `after` not on an excluded date (or None past
+    ends_at), with the excluded times before it: the first `keep` of them, and how
+    many in all.
+
+    Bounded: an `every` timetable steps over an excluded day in one jump (its times
+    there are counted, not walked: an every-1s job excluded for a day is 86,400 of
+    them); a cron expression has at most 1,440 times a day."""
+    kept: list[datetime] = []
+    count = 0
+    times = timetable_times(tt, after)
+    while True:
+        candidate = next(times, None)
+        if candidate is None or not tt.is_excluded(candidate):
+            return NextTime(time=candidate, excluded=kept, excluded_count=count)
+        if tt.every is not None and not tt.crons:
+            anchor, step, _ = _every_parts(tt)
+            day_end = _start_of_next_day(candidate, get_zone(tt.zone))
+            last = _seconds(day_end - timedelta(microseconds=1))  # the last whole second of the day
+            if tt.ends_at is not None:
+                last = min(last, _seconds(tt.ends_at))
+            first_k = (_seconds(candidate) - anchor) // step
+            last_k = (last - anchor) // step
+            count += last_k - first_k + 1
+            kept += [_from_seconds(anchor + k * step) for k in range(first_k, min(last_k, first_k + keep - len(kept) - 1) + 1)]
+            times = timetable_times(tt, _from_seconds(anchor + last_k * step))
+            continue
+        count += 1
+        if len(kept) < keep:
+            kept.append(candidate)
+
+
+def describe_timetable(tt: Timetable) -> str:
+    """Words for people, for any recurring timing (describe_cron for each expression)."""
+    if tt.every is not None:
+        words = f"every {format_duration(tt.every)} (UTC)"
+        if tt.anchor_runs and tt.anchor is not None:
+            words += f" from {tt.anchor.astimezone(UTC):%Y-%m-%d %H:%M:%S}Z"
+    else:
+        words = " and ".join(describe_cron(expr, tt.zone) for expr in tt.crons) or "-"
+    if tt.ends_at is not None:
+        words += f", until {tt.ends_at.astimezone(UTC):%Y-%m-%d %H:%M:%S}Z"
+    if tt.exclude:
+        words += f", except on {len(tt.exclude)} date{'s' if len(tt.exclude) != 1 else ''}"
+    return words
+
+
 # --------------------------------------------------------------------------- spreading & retries
 
 
@@ -513,11 +680,15 @@ class MissedTimes:
 
     latest: list[datetime]  # the most recent missed times, at most `keep`, oldest first
     count: int  # how many were missed in all (`latest` may keep fewer)
-    next_time: datetime  # the first time not missed: still inside its window plus grace, or ahead
+    next_time: datetime | None  # the first time not missed: inside its window plus grace, or ahead (None: past ends_at)
+    # Times among the latest `keep` that fall on excluded dates: not missed, they get
+    # a `skipped` row with reason `excluded` (oldest first; not in `latest` or `count`).
+    excluded: list[datetime] = field(default_factory=list)
 
 
 def missed_times(
-    *, expr: str, zone: str, late_time: datetime, now: datetime, window: timedelta, grace: timedelta, keep: int
+    *, expr: str = "", zone: str = "UTC", timetable: Timetable | None = None, late_time: datetime, now: datetime,
+    window: timedelta, grace: timedelta, keep: int
 ) -> MissedTimes:
     """The times after `late_time` that are missed at `now`, and the first one that is not.
 
@@ -527,19 +698,59 @@ def missed_times(
     A later time, even one already past, is not missed while now is inside its
     window plus the grace: it is the job's next run, queued on time like any other.
 
+    The times are the `timetable`'s (or the one cron `expr` in `zone`): an `every`
+    job's are counted by arithmetic, not walked (an every-1s job down for a year is
+    31 million of them). A time on an excluded date is not missed; it is returned in
+    `excluded` when it is among the latest `keep` times.
+
     Only the latest `keep` missed times are returned (a job down for a year at one
     run a minute would otherwise mean 500k `skipped` rows); `next_time` goes on
     from the last of all of them, so the schedule resumes from now, not from
     the start of the outage."""
+    tt = timetable if timetable is not None else Timetable(zone=zone, crons=(expr,))
     cutoff = _as_utc(now, "now") - window - grace
+    if tt.every is not None and not tt.crons:
+        return _missed_every(tt, late_time, cutoff, keep)
     recent: deque[datetime] = deque(maxlen=max(keep, 0))
     count = 0
     last = late_time
-    for t in cron_times(expr, zone, late_time, cutoff):
+    for t in _times_before(timetable_times(tt, late_time), cutoff):
         recent.append(t)
-        count += 1
+        count += 0 if tt.is_excluded(t) else 1
         last = t
-    return MissedTimes(latest=list(recent), count=count, next_time=next_cron_time(expr, zone, last))
+    return _split_missed(tt, list(recent), count, next_time(tt, last, keep=0).time)
+
+
+def _split_missed(tt: Timetable, recent: list[datetime], count: int, nxt: datetime | None) -> MissedTimes:
+    excluded = [t for t in recent if tt.is_excluded(t)]
+    latest = [t for t in recent if not tt.is_excluded(t)]
+    return MissedTimes(latest=latest, count=count, next_time=nxt, excluded=excluded)
+
+
+def _missed_every(tt: Timetable, late_time: datetime, cutoff: datetime, keep: int) -> MissedTimes:
+    anchor, step, _ = _every_parts(tt)
+    low = _every_first_k(tt, late_time)
+    # t < cutoff for a whole-second t is t < ceil(cutoff).
+    below = -((-(cutoff - _EPOCH)) // timedelta(seconds=1))
+    high = (below - 1 - anchor) // step
+    if tt.ends_at is not None:
+        high = min(high, (_seconds(tt.ends_at) - anchor) // step)
+    if high < low:
+        return MissedTimes(latest=[], count=0, next_time=next_time(tt, late_time, keep=0).time)
+    count = high - low + 1 - sum(_ks_on_day(tt, day, low, high) for day in tt.exclude)
+    recent = [_from_seconds(anchor + k * step) for k in range(max(low, high - max(keep, 0) + 1), high + 1)]
+    return _split_missed(tt, recent, count, next_time(tt, _from_seconds(anchor + high * step), keep=0).time)
+
+
+def _ks_on_day(tt: Timetable, day: date, low: int, high: int) -> int:
+    """How many k in [low, high] have their time on local `day`."""
+    anchor, step, _ = _every_parts(tt)
+    zone = get_zone(tt.zone)
+    start = _seconds(_wall_to_utc(datetime.combine(day, time(0)), zone))  # whole seconds (zone offsets are)
+    end = _seconds(_wall_to_utc(datetime.combine(day + timedelta(days=1), time(0)), zone))
+    first = max(low, -((anchor - start) // step))  # ceil((start - anchor) / step)
+    last = min(high, (end - 1 - anchor) // step)
+    return max(0, last - first + 1)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,9 @@ the checked values to `jobs.services`.
 
 Bounds chosen where the CONTRACT is silent (they are in the error texts too):
 window 0s..1d; delay 0s..365d; timeout 1s..1h; retry.max 0..100;
-retry.base 1s..1d; retry.cap 1s..7d and at least base; headers at most 16 KiB
+retry.base 1s..1d; retry.cap 1s..7d and at least base; every 1s..366d;
+starts_at / ends_at from 1970 to 100 years ahead; a schedule list at most 10
+expressions; exclude at most 1000 dates; headers at most 16 KiB
 in all; payload at most settings.MAX_PAYLOAD_BYTES as sent, nested at most 64
 deep; an `at` no more than a year in the past nor 100 years ahead.
 """
@@ -15,8 +17,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 from django.conf import settings
@@ -51,7 +54,13 @@ MAX_SECRET_HEADER_NAMES = 100
 MAX_PAYLOAD_DEPTH = 64
 AT_PAST_LIMIT = timedelta(days=366)
 AT_FUTURE_LIMIT = timedelta(days=100 * 366)
-TIMING_INPUTS = ("schedule", "at", "delay")
+BOUND_EARLIEST = datetime(1970, 1, 1, tzinfo=UTC)  # starts_at / ends_at
+TIMING_INPUTS = ("schedule", "every", "at", "delay")
+RECURRING_ONLY = ("starts_at", "ends_at", "exclude")
+MAX_SCHEDULES = 10  # expressions in a schedule list
+MAX_EXCLUDE = 1000  # dates in exclude
+MAX_CRON_LENGTH = 200
+_DATE_RE = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
 TARGET_INPUTS = ("target", "task")
 # What applies to one kind of target only (API names): given for the other kind, a 400.
 URL_ONLY = ("method", "headers", "secret_headers", "payload")
@@ -99,7 +108,7 @@ class DurationField(serializers.Field):
         if not isinstance(data, str):
             raise ValidationError(f"must be a duration string like '5m' ({self._bounds()}), not {json_type_name(data)}")
         try:
-            value = schedule.parse_duration(data)
+            value = schedule.parse_duration(data, longest=max(self.high, timedelta(days=365)))
         except ValueError as exc:
             raise ValidationError(str(exc)) from exc
         if not self.low <= value <= self.high:
@@ -110,11 +119,112 @@ class DurationField(serializers.Field):
         return schedule.format_duration(timedelta(seconds=value))
 
 
-class ScheduleField(serializers.CharField):
-    """A 5-field cron expression; a one-off job has none, shown as null."""
+def _checked_cron(value: Any) -> str:
+    """One cron expression, validated (and its gaps checked against
+    SCHEDULER_MIN_INTERVAL), fields joined by one space; ValueError in words."""
+    if not isinstance(value, str):
+        raise ValueError(f"must be a 5-field cron expression (a string), not {json_type_name(value)}")
+    if len(value) > MAX_CRON_LENGTH:
+        raise ValueError(f"is {len(value)} characters long; a cron expression may have at most {MAX_CRON_LENGTH}")
+    schedule.validate_cron(value)
+    validate_min_interval(value)
+    return " ".join(value.split())
 
-    def to_representation(self, value: str) -> str | None:
-        return value or None
+
+@extend_schema_field(
+    {
+        "oneOf": [
+            {"type": "string", "example": "0 2 * * *"},
+            {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": MAX_SCHEDULES,
+             "example": ["0 9 * * 1-5", "0 12 * * 6"]},
+        ],
+        "nullable": True,
+        "description": "A 5-field cron expression in `timezone`, or a list of them (the union of their "
+        f"times, each instant once; at most {MAX_SCHEDULES}). Read back as given: a string or a list.",
+    }
+)
+class ScheduleField(serializers.Field):
+    """A 5-field cron expression, or a list of them; a job with another timing has
+    none, shown as null. Read back as it was given (a list stays a list)."""
+
+    def get_attribute(self, instance: Job) -> Job:
+        return instance  # the string is `schedule`, a list `schedule_list`
+
+    def to_representation(self, job: Job) -> str | list[str] | None:
+        if job.schedule_list:
+            return list(job.schedule_list)
+        return job.schedule or None
+
+    def to_internal_value(self, data: Any) -> str | list[str]:
+        if isinstance(data, str):
+            try:
+                return _checked_cron(data)
+            except ValueError as exc:
+                raise ValidationError(str(exc)) from exc
+        if not isinstance(data, list):
+            raise ValidationError(
+                f"must be a 5-field cron expression or a list of them, not {json_type_name(data)}"
+            )
+        if not data:
+            raise ValidationError("the list is empty: give at least one 5-field cron expression")
+        if len(data) > MAX_SCHEDULES:
+            raise ValidationError(f"the list has {len(data)} expressions; the limit is {MAX_SCHEDULES}")
+        problems, exprs = [], []
+        for index, item in enumerate(data):
+            try:
+                exprs.append(_checked_cron(item))
+            except ValueError as exc:
+                problems.append(f"schedule[{index}]: {exc}")
+        if problems:
+            raise ValidationError(problems)
+        try:
+            validate_min_interval(exprs)
+        except ValueError as exc:
+            raise ValidationError(f"together, the expressions {exc}") from exc
+        return exprs
+
+
+def _checked_date(index: int, item: Any) -> str:
+    if not isinstance(item, str) or not _DATE_RE.fullmatch(item):
+        shown = repr(item) if isinstance(item, str) else json_type_name(item)
+        raise ValueError(f"exclude[{index}]: {shown} is not a date: use YYYY-MM-DD, like '2026-12-25'")
+    try:
+        date.fromisoformat(item)
+    except ValueError:
+        raise ValueError(f"exclude[{index}]: {item!r} is not a date of the calendar") from None
+    return item
+
+
+@extend_schema_field(
+    {
+        "type": "array",
+        "items": {"type": "string", "format": "date"},
+        "maxItems": MAX_EXCLUDE,
+        "example": ["2026-12-25"],
+        "description": "Dates (YYYY-MM-DD, in `timezone`) on which a recurring job does not run: each time "
+        "on them gets a `skipped` run with reason `excluded`, and the job goes on to its next time.",
+    }
+)
+class ExcludeField(serializers.Field):
+    """`exclude`: dates, in; the same dates, sorted and each once, out."""
+
+    def to_internal_value(self, data: Any) -> list[str]:
+        if not isinstance(data, list):
+            raise ValidationError(f"must be a list of dates (YYYY-MM-DD), not {json_type_name(data)}")
+        if len(data) > MAX_EXCLUDE:
+            raise ValidationError(f"the list has {len(data)} dates; the limit is {MAX_EXCLUDE}")
+        problems, days = [], set()
+        for index, item in enumerate(data):
+            try:
+                days.add(_checked_date(index, item))
+            except ValueError as exc:
+                problems.append(str(exc))
+        if problems:
+            raise ValidationError(problems)
+        return sorted(days)
+
+    def to_representation(self, value: list[str]) -> list[str]:
+        return list(value or [])
 
 
 @extend_schema_field(OpenApiTypes.DATETIME)
@@ -399,8 +509,16 @@ class JobSerializer(StrictFieldsMixin, serializers.Serializer):
 
     id = serializers.CharField(source="public_id", read_only=True, help_text="Like job_88213.")
     name = serializers.CharField(required=False, allow_blank=True, max_length=200)
-    schedule = ScheduleField(
-        required=False, allow_null=True, max_length=200, help_text="A 5-field cron expression, in `timezone`."
+    schedule = ScheduleField(required=False, allow_null=True)
+    every = DurationField(
+        source="every_seconds",
+        required=False,
+        allow_null=True,
+        low=timedelta(seconds=1),  # jobs.schedule.EVERY_SHORTEST / EVERY_LONGEST (the name
+        high=timedelta(days=366),  # `schedule` is the field here, not the module)
+        help_text="An interval, 1s to 366d and no shorter than SCHEDULER_MIN_INTERVAL: runs at starts_at + k * "
+        "every (or, with no starts_at, one interval after the job's creation and on from there), counted in "
+        "UTC, so a DST change does not move them.",
     )
     at = AtField(
         source="run_at",
@@ -417,6 +535,18 @@ class JobSerializer(StrictFieldsMixin, serializers.Serializer):
         high=timedelta(days=365),
         help_text="A duration from now (rounded up to the next whole second).",
     )
+    starts_at = AtField(
+        required=False,
+        allow_null=True,
+        help_text="Recurring jobs only: no run before this time (ISO 8601; with no offset, a wall-clock time in "
+        "`timezone`). An `every` job counts its intervals from it.",
+    )
+    ends_at = AtField(
+        required=False,
+        allow_null=True,
+        help_text="Recurring jobs only: no run after this time; past it the job is `completed`. After starts_at.",
+    )
+    exclude = ExcludeField(required=False)
     timezone = serializers.CharField(required=False, max_length=64, help_text='An IANA name (default "UTC").')
     # Not trimmed: a target is checked exactly as it will be called (a space or a line
     # break anywhere is refused, not quietly removed).
@@ -555,15 +685,16 @@ class JobSerializer(StrictFieldsMixin, serializers.Serializer):
 
     # ---- one field at a time
 
-    def validate_schedule(self, value: str | None) -> str | None:
+    def validate_every(self, value: int | None) -> int | None:
         if value is None:
             return None
-        try:
-            schedule.validate_cron(value)
-            validate_min_interval(value)
-        except ValueError as exc:
-            raise ValidationError(str(exc)) from exc
-        return " ".join(value.split())
+        floor = schedule.parse_duration(settings.SCHEDULER_MIN_INTERVAL)
+        if timedelta(seconds=value) < floor:
+            raise ValidationError(
+                f"{_seconds_text(value)} is shorter than the shortest interval allowed here, "
+                f"{schedule.format_duration(floor)} (SCHEDULER_MIN_INTERVAL)"
+            )
+        return value
 
     def validate_timezone(self, value: str) -> str:
         try:
@@ -621,6 +752,7 @@ class JobSerializer(StrictFieldsMixin, serializers.Serializer):
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         attrs = dict(attrs)
         self._resolve_timing(attrs)
+        self._resolve_bounds(attrs)
         self._check_paused_until(attrs)
         self._check_retry_cap(attrs)
         if self._resolve_target(attrs) == "task":
@@ -698,27 +830,74 @@ class JobSerializer(StrictFieldsMixin, serializers.Serializer):
         return self.instance.timezone if self.instance is not None else _model_default("timezone")
 
     def _resolve_timing(self, attrs: dict[str, Any]) -> None:
-        """Exactly one of schedule/at/delay on create, at most one on PATCH (it switches
-        the kind). A null counts as not given, so a job read back can be sent again."""
+        """Exactly one of schedule/every/at/delay on create, at most one on PATCH (it
+        switches the kind, and the other kinds' columns are cleared). A null counts as
+        not given, so a job read back can be sent again."""
         raw = {
             "schedule": attrs.pop("schedule", None),
+            "every": attrs.pop("every_seconds", None),
             "at": attrs.pop("run_at", None),
             "delay": attrs.pop("delay", None),
         }
         given = {name: value for name, value in raw.items() if value is not None}
         if len(given) > 1:
             both = " and ".join(given)
-            message = f"give only one of schedule, at or delay; this request gives {both}"
+            message = f"give only one of schedule, every, at or delay; this request gives {both}"
             raise ValidationError({name: [message] for name in given})
         if not given and self.instance is None:
-            message = "one of schedule (a cron expression), at (a time) or delay (a duration from now) is required"
+            message = (
+                "one of schedule (a cron expression), every (an interval), at (a time) or delay "
+                "(a duration from now) is required"
+            )
             raise ValidationError({name: [message] for name in TIMING_INPUTS})
-        if "schedule" in given:
+        if not given:
+            return
+        cleared = {"schedule": "", "schedule_list": [], "every_seconds": None, "run_at": None}
+        attrs.update(cleared)
+        if "schedule" in given and isinstance(given["schedule"], list):
+            attrs["schedule_list"] = given["schedule"]
+        elif "schedule" in given:
             attrs["schedule"] = given["schedule"]
+        elif "every" in given:
+            attrs["every_seconds"] = given["every"]
         elif "at" in given:
             attrs["run_at"] = self._resolve_at(given["at"], self._zone(attrs))
-        elif "delay" in given:
+        else:
             attrs["run_at"] = schedule.round_up_to_second(timezone.now() + timedelta(seconds=given["delay"]))
+
+    def _resolve_bounds(self, attrs: dict[str, Any]) -> None:
+        """starts_at, ends_at (resolved in the job's zone) and exclude: recurring jobs
+        only (a 400 on a one-off; a PATCH that makes a job a one-off drops them), and
+        ends_at after starts_at."""
+        zone = self._zone(attrs)
+        for name in ("starts_at", "ends_at"):
+            if attrs.get(name) is not None:
+                attrs[name] = self._resolve_bound(name, attrs[name], zone)
+        recurring = any(self._current(attrs, name) for name in ("schedule", "schedule_list", "every_seconds"))
+        if not recurring:
+            given = [name for name in RECURRING_ONLY if attrs.get(name)]
+            if given:
+                message = "only a recurring job (schedule or every) can have {}; this one runs once (at or delay)"
+                raise ValidationError({name: [message.format(name)] for name in given})
+            if self.instance is not None:
+                attrs.update(starts_at=None, ends_at=None, exclude=[])
+            return
+        starts, ends = self._current(attrs, "starts_at"), self._current(attrs, "ends_at")
+        if starts is not None and ends is not None and ends <= starts:
+            raise ValidationError({"ends_at": [f"must be after starts_at ({iso_z(starts)}), not {iso_z(ends)}"]})
+
+    @staticmethod
+    def _resolve_bound(name: str, text: str, zone: str) -> datetime:
+        """starts_at / ends_at: any time from 1970 on, at most 100 years ahead."""
+        try:
+            when = schedule.resolve_at(text, zone)
+        except ValueError as exc:
+            raise ValidationError({name: [str(exc)]}) from exc
+        if when < BOUND_EARLIEST:
+            raise ValidationError({name: [f"{text!r} is before 1970-01-01T00:00:00Z"]})
+        if when > timezone.now() + AT_FUTURE_LIMIT:
+            raise ValidationError({name: [f"{text!r} is more than 100 years ahead"]})
+        return when
 
     def _resolve_at(self, text: str, zone: str) -> datetime:
         try:

@@ -15,11 +15,26 @@ from jobs.secrets import encrypt_headers, split_headers
 from runs import events
 from runs.delivery import iso_z
 from runs.models import JOBS_OPEN_RUN, Run
-from runs.services import is_held, job_next_run, job_next_run_time, job_next_runs, jobs_lock, run_create
+from runs.services import (
+    EXCLUDED_PREFIX,
+    excluded_times_skip,
+    is_held,
+    job_next_run,
+    job_next_run_plan,
+    job_next_run_time,
+    job_next_runs,
+    jobs_lock,
+    run_create,
+)
 
 S = Run.Status
 # Fields whose change replaces the waiting run.
-TIMING_FIELDS = frozenset({"schedule", "timezone", "run_at", "window_seconds"})
+TIMING_FIELDS = frozenset({
+    "schedule", "schedule_list", "every_seconds", "timezone", "run_at", "window_seconds",
+    "starts_at", "ends_at", "exclude",
+})
+# The kinds of timing: a job has exactly one; setting one clears the others.
+TIMING_KINDS = {"schedule": "", "schedule_list": [], "every_seconds": None, "run_at": None}
 
 
 class BackfillError(ValueError):
@@ -27,8 +42,18 @@ class BackfillError(ValueError):
 
 
 def first_run_time(job: Job, now: datetime) -> datetime:
-    """The first run's time of a job whose timing starts at `now` (job_next_run_time's rule)."""
+    """The first run's time of a job whose timing starts at `now` (job_next_run_time's
+    rule); None when its timetable has no time left (past its ends_at)."""
     return job_next_run_time(job, latest=None, since=now, now=now)
+
+
+def _one_timing(fields: dict[str, Any]) -> None:
+    """A field of one kind of timing given (a value, not a blank) clears the others'."""
+    given = [name for name in TIMING_KINDS if fields.get(name)]
+    if len(given) == 1:
+        for name, blank in TIMING_KINDS.items():
+            if name != given[0]:
+                fields.setdefault(name, blank)
 
 
 def _apply_headers(job: Job, headers: dict[str, str] | None, secret_names: list[str] | None) -> None:
@@ -59,7 +84,13 @@ def job_create(*, owner: Any, fields: dict[str, Any], now: datetime | None = Non
     _check_job_cap(owner)
     job = job_build(owner=owner, fields=fields)
     job.save()
-    job_next_run(job=job, now=now, since=now)
+    if job.every_seconds:
+        # An `every` job counts from its creation (when it has no starts_at): the
+        # instant of this write, not auto_now_add's own reading of the clock.
+        Job.objects.filter(pk=job.pk).update(created_at=now)
+        job.created_at = now
+    if job_next_run(job=job, now=now, since=now) is None:
+        job.refresh_from_db(fields=["state", "updated_at"])  # no time left (past ends_at): completed
     return job
 
 
@@ -77,6 +108,9 @@ def jobs_create_many(*, jobs: list[Job], now: datetime | None = None) -> list[Jo
     for owner_id in sorted(adding):
         _check_job_cap(owners[owner_id], adding=adding[owner_id])
     created = Job.objects.bulk_create(jobs, batch_size=500)
+    every = [job.pk for job in created if job.every_seconds]
+    if every:  # an `every` job counts from this write's instant, as in job_create
+        Job.objects.filter(pk__in=every).update(created_at=now)
     _, found = job_next_runs(jobs=list(jobs_lock([j.pk for j in created]).values()), now=now, since=now)
     events.record_many(found)
     return created
@@ -116,17 +150,16 @@ def job_update(*, job: Job, fields: dict[str, Any], now: datetime | None = None)
         raise ValueError("the job is deleted")
     paused = fields.pop("paused", None)
     _apply_headers(job, fields.pop("headers", None), fields.pop("secret_headers", None))
+    _one_timing(fields)
     changed = {k for k, v in fields.items() if k in TIMING_FIELDS and getattr(job, k) != v}
     timing_changed = bool(changed)
-    if "schedule" in fields and fields["schedule"]:
-        fields.setdefault("run_at", None)
-    if "run_at" in fields and fields["run_at"] is not None:
-        fields.setdefault("schedule", "")
     for key, value in fields.items():
         setattr(job, key, value)
     if changed - {"window_seconds"}:
         job.timing_changed_at = now
     job.save()
+    if changed - {"window_seconds"}:
+        _cancel_excluded_ahead(job, now)
     if timing_changed and job.state != Job.State.COMPLETED:
         _replace_waiting_run(job, now)
     if job.state == Job.State.COMPLETED and (job.is_recurring and timing_changed or "run_at" in changed):
@@ -144,6 +177,17 @@ def job_update(*, job: Job, fields: dict[str, Any], now: datetime | None = None)
     return job
 
 
+def _cancel_excluded_ahead(job: Job, now: datetime) -> None:
+    """The `skipped` rows of excluded times still ahead were the old timing's: they are
+    cancelled (a cancelled row is opened again if the new timing runs at that time)."""
+    ahead = Run.objects.filter(
+        job=job, status=S.SKIPPED, is_backfill=False, scheduled_for__gt=now, last_error__startswith=EXCLUDED_PREFIX
+    )
+    ids = list(ahead.values_list("pk", flat=True))
+    Run.objects.filter(pk__in=ids).update(status=S.CANCELLED)
+    events.record_many(events.event(pk, "cancelled", now, reason="the job's timing changed") for pk in ids)
+
+
 def _replace_waiting_run(job: Job, now: datetime) -> None:
     """A changed timing: the waiting run (not yet on its way) makes way for the run
     the new timing gives, from the edit on (runs.services.job_next_run decides it).
@@ -154,8 +198,12 @@ def _replace_waiting_run(job: Job, now: datetime) -> None:
         return  # on its way or retrying: the new timing applies from the next run on
     new_time = first_run_time(job, now)
     if waiting is not None and waiting.scheduled_for == new_time:
-        # Same time (only the window changed, or the same schedule spelt differently):
-        # a new row would break runs_one_run_per_time, so re-spread this one.
+        # Same time (only the window changed, or the same schedule spelt differently,
+        # or a new timing that comes to the same next time): a new row would break
+        # runs_one_run_per_time, so re-spread this one. The excluded times the new
+        # timing passes over before it still get their rows.
+        plan = job_next_run_plan(job, latest=None, since=now, now=now)
+        events.record_many(excluded_times_skip([(job, plan)], now))
         due_at = schedule.spread_due_at(job.pk, new_time, timedelta(seconds=job.window_seconds))
         if due_at != waiting.due_at:
             Run.objects.filter(pk=waiting.pk).update(due_at=due_at)
@@ -284,7 +332,12 @@ def backfill_plan(*, job: Job, since: datetime, until: datetime, now: datetime) 
     end = min(until, now)
     if job.is_recurring:
         wanted: list[datetime] = []
-        for t in schedule.cron_times(job.schedule, job.timezone, since - timedelta(seconds=1), end):
+        timetable = job.timetable()
+        for t in schedule.timetable_times(timetable, since - timedelta(seconds=1)):
+            if t >= end:
+                break
+            if timetable.is_excluded(t):
+                continue  # not a time the job runs at
             wanted.append(t)
             if len(wanted) > settings.SCHEDULER_BACKFILL_MAX_RUNS:
                 raise BackfillError(

@@ -361,13 +361,16 @@ _GAP_SAMPLE_END = datetime(2004, 1, 2, tzinfo=dt_timezone.utc)
 _GAP_SAMPLE_TIMES = 10_000
 
 
-def validate_min_interval(expr: str) -> None:
-    """A valid cron expression whose runs come closer than SCHEDULER_MIN_INTERVAL is a
-    ValueError naming the gap. "1m" (the default) allows every 5-field cron."""
+def validate_min_interval(expr: str | list[str]) -> None:
+    """A valid cron expression (or list of them: their union) whose runs come closer
+    than SCHEDULER_MIN_INTERVAL is a ValueError naming the gap. "1m" (the default)
+    allows every 5-field cron."""
     floor = schedule.parse_duration(settings.SCHEDULER_MIN_INTERVAL)
     if floor <= timedelta(minutes=1):
         return  # cron cannot fire more often than once a minute
-    times = islice(schedule.cron_times(expr, "UTC", _GAP_SAMPLE_START, _GAP_SAMPLE_END), _GAP_SAMPLE_TIMES)
+    crons = tuple(expr) if isinstance(expr, list) else (expr,)
+    timetable = schedule.Timetable(zone="UTC", crons=crons, ends_at=_GAP_SAMPLE_END)
+    times = islice(schedule.timetable_times(timetable, _GAP_SAMPLE_START), _GAP_SAMPLE_TIMES)
     previous = None
     for current in times:
         if previous is not None and current - previous < floor:

@@ -8,22 +8,25 @@ event, and no filter lists rows of another table.
 
 from __future__ import annotations
 
+from datetime import timezone as dt_timezone
 from typing import Any
 
 from django import forms
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
 from django.db.models import OuterRef, QuerySet, Subquery
-from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect, JsonResponse
 from django.shortcuts import get_object_or_404
 from django.urls import path, reverse
 from django.utils import timezone
 from django.utils.html import format_html
-from django.views.decorators.http import require_POST
+from django.utils.safestring import mark_safe
+from django.views.decorators.http import require_GET, require_POST
 
 from jobs.public_ids import parse_id
 from jobs.validators import target_key
 from runs import metrics, ops
+from runs.delivery import iso_z
 from runs.models import Notice, PausedTarget, Run, RunEvent
 
 S = Run.Status
@@ -78,9 +81,15 @@ class LateFilter(admin.SimpleListFilter):
     parameter_name = "late"
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        return [("yes", "late (started past its deadline, or waiting past it now)"), ("no", "on time")]
+        return [
+            ("now", "late now (waiting past its deadline)"),
+            ("yes", "late (started past its deadline, or waiting past it now)"),
+            ("no", "on time"),
+        ]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Run]) -> QuerySet[Run]:
+        if self.value() == "now":
+            return queryset.filter(metrics.late_now_q(timezone.now()))
         if self.value() not in ("yes", "no"):
             return queryset
         annotated = metrics.with_lateness(queryset, timezone.now())
@@ -104,6 +113,38 @@ class DeadFilter(admin.SimpleListFilter):
         return queryset.filter(status=S.DEAD) if value == "all" else queryset
 
 
+class DueFilter(admin.SimpleListFilter):
+    title = "due"
+    parameter_name = "due"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("now", "due now (the next scan queues it)"), ("soon", "due in the next minute")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Run]) -> QuerySet[Run]:
+        now = timezone.now()
+        if self.value() == "soon":
+            return queryset.filter(metrics.due_soon_q(now))
+        if self.value() == "now":
+            return queryset.filter(status=S.SCHEDULED, held=False, due_at__lte=now)
+        return queryset
+
+
+class HoldFilter(admin.SimpleListFilter):
+    title = "held by"
+    parameter_name = "hold"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("pause", "a pause (job or target)"), ("breaker", "a breaker not closed")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Run]) -> QuerySet[Run]:
+        if self.value() == "pause":
+            return queryset.filter(status__in=(S.SCHEDULED, S.QUEUED), held=True)
+        if self.value() == "breaker":
+            holds = metrics.breaker_holds()
+            return queryset.filter(metrics.held_by_breaker_q(holds)) if holds else queryset.none()
+        return queryset
+
+
 class RetriedFilter(admin.SimpleListFilter):
     title = "attempts"
     parameter_name = "retried"
@@ -122,26 +163,114 @@ def _notified() -> Subquery:
     return Subquery(dead.values("detail__notified")[:1])
 
 
+# --------------------------------------------------------------------------- watching a run live
+
+LIVE_EVENTS = 500
+
+
+def _iso_ms(value: Any) -> str | None:
+    if value is None:
+        return None
+    return value.astimezone(dt_timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:23] + "Z"
+
+
+def next_run_of(run: Run) -> Run | None:
+    """The job's run after this one (its own schedule's, not an extra run)."""
+    later = Run.objects.filter(job_id=run.job_id, scheduled_for__gt=run.scheduled_for, is_backfill=False)
+    return later.order_by("scheduled_for").first()
+
+
+def run_live(run: Run) -> dict[str, Any]:
+    """What the run page shows, as JSON: the run's fields, its timeline (as the page
+    draws it) and the job's next run. Three queries."""
+    found = list(RunEvent.objects.filter(run=run).order_by("at", "id")[:LIVE_EVENTS])
+    timeline = ops.run_timeline(run, found)
+    nxt = next_run_of(run) if run.status in Run.TERMINAL else None
+    return {
+        "id": run.public_id,
+        "status": run.status,
+        "held": run.held,
+        "open": run.is_open,
+        "attempt": run.attempt,
+        "fence": run.fence,
+        "lease_owner": run.lease_owner,
+        "lease_expires_at": _iso_ms(run.lease_expires_at),
+        "scheduled_for": _iso_ms(run.scheduled_for),
+        "due_at": _iso_ms(run.due_at),
+        "queued_at": _iso_ms(run.queued_at),
+        "started_at": _iso_ms(run.started_at),
+        "finished_at": _iso_ms(run.finished_at),
+        "last_error": run.last_error,
+        "events": [
+            {
+                "at": _iso_ms(row.at),
+                "type": row.type,
+                "fence": row.fence,
+                "worker": row.worker,
+                "answer": row.answer,
+                "detail": ", ".join(f"{k}={v}" for k, v in row.detail.items()),
+                "state": row.state,
+                "seconds_in_state": row.seconds_in_state,
+            }
+            for row in timeline.rows
+        ],
+        "seconds_by_state": timeline.seconds_by_state,
+        "next_run": None
+        if nxt is None
+        else {
+            "id": nxt.public_id,
+            "url": reverse("admin:runs_run_change", args=[nxt.pk]),
+            "scheduled_for": _iso_ms(nxt.scheduled_for),
+            "status": nxt.status,
+        },
+    }
+
+
 # --------------------------------------------------------------------------- runs
+
+
+def iso_wrap(value: Any) -> str:
+    """ISO 8601 UTC, allowed to wrap between the date and the time (narrow list columns)."""
+    text = iso_z(value)
+    return format_html("{}<wbr>{}", text[:10], text[10:])
+
+
+def badge(status: str, label: str | None = None) -> str:
+    """A coloured status (admin.css): dead red, running blue, succeeded green, skipped and
+    cancelled grey, held amber."""
+    return format_html('<span class="badge badge-{}">{}</span>', status, label or status)
+
+
+def run_badge(run: Run) -> str:
+    if run.held and run.status in (S.SCHEDULED, S.QUEUED):
+        return format_html("{} {}", badge(run.status), badge("held"))
+    return badge(run.status)
 
 
 @admin.register(Run)
 class RunAdmin(admin.ModelAdmin):
+    # Columns chosen to fit a 1366 px window: times two to a cell, attempt and fence together.
     list_display = (
         "public_id",
-        "job_link",
-        "target_host",
-        "scheduled_for",
-        "due_at",
-        "status",
-        "attempt",
-        "fence",
-        "started_at",
-        "finished_at",
-        "told",
-        "handled",
+        "job_and_host",
+        "status_badge",
+        "times",
+        "attempt_fence",
+        "ran",
+        "dead_list",
     )
-    list_filter = ("status", DeadFilter, LateFilter, RetriedFilter, JobFilter, TargetHostFilter, "is_backfill", "held")
+    list_filter = (
+        "status",
+        DeadFilter,
+        LateFilter,
+        DueFilter,
+        HoldFilter,
+        RetriedFilter,
+        JobFilter,
+        TargetHostFilter,
+        "is_backfill",
+        "held",
+    )
     search_fields = ("job__name",)
     search_help_text = "Job name, or a run id (run_5521 or 5521)."
     list_select_related = ("job",)
@@ -149,7 +278,7 @@ class RunAdmin(admin.ModelAdmin):
     show_full_result_count = False  # no second COUNT(*) over the whole table
     actions = ("requeue_dead_runs", "mark_handled")
     fieldsets = (
-        (None, {"fields": ("job", "status", "idempotency_key", "is_backfill", "held", "detached")}),
+        (None, {"fields": ("job", "status_badge", "idempotency_key", "is_backfill", "held", "detached", "next_run")}),
         ("Times", {"fields": ("scheduled_for", "due_at", "queued_at", "started_at", "finished_at")}),
         ("Lease", {"fields": ("attempt", "fence", "lease_owner", "lease_expires_at", "partition")}),
         ("Dead list", {"fields": ("last_error", "told", "handled_at", "handled_by")}),
@@ -192,6 +321,49 @@ class RunAdmin(admin.ModelAdmin):
     def target_host(self, run: Run) -> str:
         return target_key(run.job)
 
+    @admin.display(description="job / target host", ordering="job_id")
+    def job_and_host(self, run: Run) -> str:
+        url = reverse("admin:jobs_job_change", args=[run.job_id])
+        return format_html('<a href="{}">{}</a> {}<br><small>{}</small>', url, run.job.public_id, run.job.name,
+                           target_key(run.job))
+
+    @admin.display(description="told / handled")
+    def dead_list(self, run: Run) -> str:
+        if run.status != S.DEAD:
+            return "-"
+        handled = "handled" if run.handled_at is not None else "not handled"
+        return format_html("{}<br><small>{}</small>", self.told(run), handled)
+
+    @admin.display(description="status", ordering="status")
+    def status_badge(self, run: Run) -> str:
+        return format_html('<span id="run-status">{}</span>', run_badge(run))
+
+    @admin.display(description="scheduled for / due (UTC)", ordering="scheduled_for")
+    def times(self, run: Run) -> str:
+        if run.due_at == run.scheduled_for:
+            return iso_wrap(run.scheduled_for)
+        return format_html("{}<br>due {}", iso_wrap(run.scheduled_for), iso_wrap(run.due_at))
+
+    @admin.display(description="attempt / fence")
+    def attempt_fence(self, run: Run) -> str:
+        return f"{run.attempt} / {run.fence}"
+
+    @admin.display(description="started / finished (UTC)", ordering="started_at")
+    def ran(self, run: Run) -> str:
+        if run.started_at is None and run.finished_at is None:
+            return "-"
+        started = iso_wrap(run.started_at) if run.started_at else "-"
+        return format_html("{}<br>{}", started, iso_wrap(run.finished_at) if run.finished_at else "-")
+
+    @admin.display(description="next run of the job")
+    def next_run(self, run: Run) -> str:
+        found = next_run_of(run) if run.status in Run.TERMINAL else None
+        if found is None:
+            return mark_safe('<span id="next-run">-</span>')
+        url = reverse("admin:runs_run_change", args=[found.pk])
+        return format_html('<span id="next-run"><a href="{}">{}</a> at {} {}</span>', url, found.public_id,
+                           iso_z(found.scheduled_for), run_badge(found))
+
     @admin.display(description="Idempotency-Key")
     def idempotency_key(self, run: Run) -> str:
         return run.idempotency_key
@@ -207,6 +379,10 @@ class RunAdmin(admin.ModelAdmin):
     def handled(self, run: Run) -> bool | None:
         return run.handled_at is not None if run.status == S.DEAD else None
 
+    def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
+        title = "Dead list" if request.GET.get("dead") else "Runs"
+        return super().changelist_view(request, dict(extra_context or {}, title=title))
+
     # ---- the run page: its timeline, and the dead-list buttons
 
     def change_view(
@@ -221,6 +397,9 @@ class RunAdmin(admin.ModelAdmin):
             context["timeline"] = ops.run_timeline(run, found)
             context["can_operate"] = self.has_change_permission(request, run)
             context["run"] = run
+            # Read-only: titled for what it is, not "Change run".
+            context["title"] = f"Run {run.public_id} of {run.job.public_id} {run.job.name}"
+            context["live_url"] = reverse("admin:runs_run_live", args=[run.pk])
         return super().change_view(request, object_id, form_url, context)
 
     def get_urls(self) -> list[Any]:
@@ -228,6 +407,7 @@ class RunAdmin(admin.ModelAdmin):
         return [
             path("<path:object_id>/requeue/", wrap(require_POST(self.requeue_view)), name="runs_run_requeue"),
             path("<path:object_id>/handled/", wrap(require_POST(self.handled_view)), name="runs_run_handled"),
+            path("<path:object_id>/live/", wrap(require_GET(self.live_view)), name="runs_run_live"),
             *super().get_urls(),
         ]
 
@@ -239,6 +419,14 @@ class RunAdmin(admin.ModelAdmin):
 
     def _back(self, run: Run) -> HttpResponseRedirect:
         return HttpResponseRedirect(reverse("admin:runs_run_change", args=[run.pk]))
+
+    def live_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
+        """The run as it is now, for the run page's poller (scheduler/live.js): staff
+        session only (admin_view), the same permission as the page."""
+        run = get_object_or_404(Run.objects.select_related("job"), pk=parse_id("run", object_id) or 0)
+        if not self.has_view_permission(request, run):
+            raise PermissionDenied
+        return JsonResponse(run_live(run), json_dumps_params={"separators": (",", ":")})
 
     def requeue_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
         run = self._operable(request, object_id)

@@ -7,13 +7,16 @@ model objects, no per-field preparation); elsewhere with bulk_create.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Iterable, NamedTuple
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, NamedTuple
 
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import connection
 
 from runs.models import RunEvent
 from scheduler_project import statement_counter
+
+if TYPE_CHECKING:
+    from runs.models import Run
 
 COPY_SQL = "COPY run_events (run_id, at, type, detail) FROM STDIN"
 # Below this many rows an INSERT costs about what a COPY does.
@@ -33,12 +36,26 @@ def event(run_id: int, type_: str, at: datetime, **detail: Any) -> Event:
 
 def record(run_id: int, type_: str, at: datetime, **detail: Any) -> None:
     RunEvent.objects.create(run_id=run_id, type=type_, at=at, detail=detail)
+    _count([Event(run_id, type_, at, detail)], None)
 
 
-def record_many(events: Iterable[Event]) -> None:
+def record_many(events: Iterable[Event], *, runs: Mapping[int, "Run"] | None = None) -> None:
+    """`runs` (optional: the batch's runs, job loaded, as read before this write) lets
+    the rollups (runs.rollups) label calls by host and measure a first start's lag."""
     rows = list(events)
     if not rows:
         return
+    _write(rows)
+    _count(rows, runs)
+
+
+def _count(rows: list[Event], runs: Mapping[int, "Run"] | None) -> None:
+    from runs import rollups
+
+    rollups.note(rows, runs)
+
+
+def _write(rows: list[Event]) -> None:
     if connection.vendor == "postgresql" and len(rows) >= COPY_FROM:
         dumps = DjangoJSONEncoder(separators=(",", ":")).encode
         with connection.cursor() as cursor, cursor.cursor.copy(COPY_SQL) as copy:

@@ -3,13 +3,15 @@
 Each selector is one or two queries whatever the number of rows.
 
 `/metrics` choices (docs/admin.md has them for operators):
-- Counters are counted from the database, not kept in a process: any web process
-  answers the same, and a restart loses nothing. `scheduler_runs_*_total` count
-  timeline events by type, so they only go up -- until `prune_runs` deletes old
-  history, which Prometheus sees as a counter reset (one per prune).
-- The lateness histogram is each run's first start minus its due time. A run
-  whose due time moved past its first start (a retry, an operator's requeue) is
-  left out: its due time no longer says when it was first due.
+- Counters are read from the database, not kept in a process: any web process
+  answers the same, and a restart loses nothing. They are the all-time rows of
+  the rollups (runs.rollups: counted where the events are written, in the same
+  transaction), so a scrape reads a few dozen rows whatever the size of `runs`
+  and `run_events`, and pruning old runs no longer resets them.
+- The lateness histogram is each run's first start minus its due time, measured
+  at the claim (so a run that is later retried counts once, against the due time
+  it had when it first started). Runs that started before the rollups existed
+  were carried over once by the migration, as the old query counted them.
 - `SCHEDULER_METRICS_TOKEN` set: the scrape needs `Authorization: Bearer <token>`;
   unset: open (bind the server to loopback or a private network).
 """
@@ -45,7 +47,9 @@ from django.http import HttpRequest, HttpResponse
 from django.utils import timezone
 from django.views.decorators.http import require_GET
 
-from runs.models import Run, RunEvent
+from jobs.public_ids import format_id
+from runs import rollups
+from runs.models import ROLLUP_LAG_EDGES, Run, RunRollup
 
 S = Run.Status
 LAG_WINDOW = timedelta(minutes=5)
@@ -135,24 +139,77 @@ def late_now_q(now: datetime) -> Q:
 # --------------------------------------------------------------------------- selectors
 
 
+DUE_SOON = timedelta(minutes=1)
+
+
 @dataclass(frozen=True)
 class QueueFigures:
     queued: int  # in the database: the run queue as the store sees it
     due: int  # scheduled, not held, due now: the next scan queues them
     held: int
     late: int
+    running: int = 0
+    due_soon: int = 0  # scheduled, not held, due within the next minute (not yet due)
 
 
 def queue_figures(now: datetime | None = None) -> QueueFigures:
-    """One query over the waiting runs."""
+    """One query over the open runs (runs_status_idx: never the finished ones)."""
     now = now or timezone.now()
-    found = Run.objects.filter(status__in=(S.SCHEDULED, S.QUEUED)).aggregate(
+    found = Run.objects.filter(status__in=(S.SCHEDULED, S.QUEUED, S.RUNNING)).aggregate(
         n_queued=Count("id", filter=Q(status=S.QUEUED)),
         n_due=Count("id", filter=Q(status=S.SCHEDULED, held=False, due_at__lte=now)),
-        n_held=Count("id", filter=Q(held=True)),
+        n_held=Count("id", filter=Q(held=True, status__in=(S.SCHEDULED, S.QUEUED))),
         n_late=Count("id", filter=late_now_q(now)),
+        n_running=Count("id", filter=Q(status=S.RUNNING)),
+        n_due_soon=Count("id", filter=due_soon_q(now)),
     )
     return QueueFigures(**{k.removeprefix("n_"): int(v or 0) for k, v in found.items()})
+
+
+def due_soon_q(now: datetime) -> Q:
+    return Q(status=S.SCHEDULED, held=False, due_at__gt=now, due_at__lte=now + DUE_SOON)
+
+
+def dead_unhandled_count() -> int:
+    """Dead and not handled: a count of runs_dead_unhandled_idx, never of the table."""
+    return Run.objects.filter(status=S.DEAD, handled_at__isnull=True).count()
+
+
+def breaker_holds(now: datetime | None = None, limit: int = 50) -> list[tuple[str, datetime]]:
+    """(host, until) for each host whose breaker is open or half-open: its waiting runs
+    due before `until` (the next probe, or the probe's end) wait for the breaker."""
+    from runs.models import TargetBreaker
+
+    now = now or timezone.now()
+    rows = TargetBreaker.objects.exclude(state=TargetBreaker.State.CLOSED).order_by("host")[:limit]
+    return [(b.host, max([t for t in (b.next_probe_at, b.probe_until) if t is not None] + [now])) for b in rows]
+
+
+def held_by_breaker_q(holds: list[tuple[str, datetime]]) -> Q:
+    """Waiting runs on a host whose breaker is not closed, sent back to wait for it: due
+    after now and before it lets them through (the next probe)."""
+    from runs.ops import target_host_q
+
+    now = timezone.now()
+    on_hosts = Q()
+    for host, until in holds:
+        on_hosts |= Q(target_host_q(host, prefix="job__"), due_at__lte=until)
+    # Sent back to wait (due_at moved to the probe time), so due after now: a short range
+    # of runs_due_idx per partition, and the pattern is matched on those runs' jobs only.
+    # A run already due again is counted as due: the next worker sends it back or lets it through.
+    latest = max(until for _, until in holds) if holds else now
+    return Q(
+        on_hosts,
+        status=S.SCHEDULED,
+        held=False,
+        partition__in=list(range(settings.SCHEDULER_PARTITIONS)),
+        due_at__gt=now,
+        due_at__lte=latest,
+    )
+
+
+def held_by_breaker_count(holds: list[tuple[str, datetime]]) -> int:
+    return Run.objects.filter(held_by_breaker_q(holds)).count() if holds else 0
 
 
 @dataclass(frozen=True)
@@ -195,11 +252,45 @@ def _quantile(values: list[float], q: float) -> float:
     return values[low] + (values[high] - values[low]) * (pos - low)
 
 
-def event_counts() -> dict[str, int]:
-    """Timeline events by type, for the run counters: one GROUP BY."""
-    rows = RunEvent.objects.filter(type__in=list(EVENT_COUNTERS)).values("type").annotate(n=Count("id"))
-    found = {row["type"]: int(row["n"]) for row in rows}
-    return {t: found.get(t, 0) for t in EVENT_COUNTERS}
+def _totals() -> list[dict[str, Any]]:
+    """The all-time rollup rows by kind and reason: one GROUP BY over a few dozen rows."""
+    sums = {c: Sum(c) for c in rollups.COUNTERS}
+    return list(
+        RunRollup.objects.filter(minute=rollups.TOTAL_MINUTE).values("kind", "reason").annotate(**sums).order_by()
+    )
+
+
+EVENT_KIND = {"claimed": "started", "succeeded": "succeeded", "retry_scheduled": "retry_scheduled", "dead": "dead"}
+
+
+def event_counts(totals: list[dict[str, Any]] | None = None) -> dict[str, int]:
+    """The run counters, by the event type they count (from the rollups' totals)."""
+    totals = _totals() if totals is None else totals
+    by_kind: dict[str, int] = {}
+    for row in totals:
+        by_kind[row["kind"]] = by_kind.get(row["kind"], 0) + int(row["n"] or 0)
+    return {t: by_kind.get(EVENT_KIND[t], 0) for t in EVENT_COUNTERS}
+
+
+def skipped_counts(totals: list[dict[str, Any]] | None = None) -> dict[str, int]:
+    """Skipped runs by reason (misfire, overlap, excluded, paused, and any other)."""
+    totals = _totals() if totals is None else totals
+    found = dict.fromkeys(rollups.SKIP_REASONS, 0)
+    for row in totals:
+        if row["kind"] == "skipped":
+            found[row["reason"]] = found.get(row["reason"], 0) + int(row["n"] or 0)
+    return found
+
+
+def noisiest_skippers(limit: int = 10) -> list[tuple[int, int]]:
+    """(job id, skipped runs) of the jobs with the most skipped runs: one query."""
+    rows = (
+        RunRollup.objects.filter(minute=rollups.TOTAL_MINUTE, kind="skipped", job_id__gt=0)
+        .values("job_id")
+        .annotate(total=Sum("n"))
+        .order_by("-total", "job_id")[:limit]
+    )
+    return [(int(r["job_id"]), int(r["total"])) for r in rows]
 
 
 @dataclass(frozen=True)
@@ -209,17 +300,16 @@ class Histogram:
     sum: float
 
 
-def lateness_histogram() -> Histogram:
-    """First start minus due time over every run that has started on its due time: one query."""
-    lag = SecondsBetween(F("started_at"), F("due_at"))
-    runs = Run.objects.filter(started_at__isnull=False, due_at__lte=F("started_at")).annotate(lag=lag)
-    found = runs.aggregate(
-        n=Count("id"),
-        total=Sum("lag"),
-        **{f"le_{i}": Count("id", filter=Q(lag__lte=bound)) for i, bound in enumerate(LATENESS_BUCKETS)},
-    )
-    buckets = [(bound, int(found[f"le_{i}"] or 0)) for i, bound in enumerate(LATENESS_BUCKETS)]
-    return Histogram(buckets=buckets, count=int(found["n"] or 0), sum=float(found["total"] or 0.0))
+def lateness_histogram(totals: list[dict[str, Any]] | None = None) -> Histogram:
+    """First start minus due time over every run that has started on or after its due time."""
+    totals = _totals() if totals is None else totals
+    started = [row for row in totals if row["kind"] == "started"]
+    per_bucket = [sum(int(row[f"b{i}"] or 0) for row in started) for i in range(rollups.BUCKETS)]
+    buckets = []
+    for bound in LATENESS_BUCKETS:
+        buckets.append((bound, sum(n for edge, n in zip(ROLLUP_LAG_EDGES, per_bucket) if edge <= bound)))
+    count = sum(int(row["lag_n"] or 0) for row in started)
+    return Histogram(buckets=buckets, count=count, sum=float(sum(float(row["lag_sum"] or 0) for row in started)))
 
 
 @dataclass(frozen=True)
@@ -326,10 +416,12 @@ def render_metrics(now: datetime | None = None) -> str:
     """The Prometheus text exposition format (version 0.0.4)."""
     now = now or timezone.now()
     out: list[str] = []
-    counts = event_counts()
+    totals = _totals()
+    counts = event_counts(totals)
     for event_type, (name, text) in EVENT_COUNTERS.items():
         out += _header(name, "counter", text) + [_line(name, counts[event_type])]
-    hist = lateness_histogram()
+    out += _skipped_lines(totals)
+    hist = lateness_histogram(totals)
     name = "scheduler_run_lateness_seconds"
     out += _header(name, "histogram", "A run's first start minus its due time.")
     for bound, count in hist.buckets:
@@ -365,6 +457,16 @@ def _notice_lines() -> list[str]:
                          ("failed", "Notices given up on: out of tries, refused, or nowhere to send.")):
         name = f"scheduler_notices_{status}"
         out += _header(name, "gauge", text) + [_line(name, counts.get(status, 0))]
+    return out
+
+
+def _skipped_lines(totals: list[dict[str, Any]]) -> list[str]:
+    name = "scheduler_runs_skipped_total"
+    out = _header(name, "counter", "Runs skipped, by reason (misfire, overlap, excluded, paused).")
+    out += [_line(name, n, {"reason": reason}) for reason, n in skipped_counts(totals).items()]
+    name = "scheduler_job_runs_skipped_total"
+    out += _header(name, "counter", "Runs skipped, for the ten jobs with the most.")
+    out += [_line(name, n, {"job": format_id("job", job_id)}) for job_id, n in noisiest_skippers()]
     return out
 
 

@@ -84,6 +84,10 @@ class Run(models.Model):
             models.Index(
                 fields=["finished_at"], condition=models.Q(finished_at__isnull=False), name="runs_finished_idx"
             ),
+            # The dashboard's "dead, not handled": a count of this small index, not of the table.
+            models.Index(
+                fields=["id"], condition=models.Q(status="dead", handled_at__isnull=True), name="runs_dead_unhandled_idx"
+            ),
         ]
 
     def __str__(self) -> str:
@@ -253,3 +257,73 @@ class Notice(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind} notice {self.pk} of {self.job.public_id}"
+
+
+# Lag bucket edges (seconds) of RunRollup: b0 counts lag <= 0.05, b<i> lag in
+# (edge[i-1], edge[i]], b12 lag over an hour. /metrics' histogram takes a subset.
+ROLLUP_LAG_EDGES = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0, 3600.0)
+
+
+class RunRollup(models.Model):
+    """Small counters written where runs move (runs.rollups), so the dashboard and
+    `/metrics` read a few hundred rows instead of counting `runs` and `run_events`.
+
+    One row per (minute, kind, reason, host, job, shard); the row whose minute is
+    `rollups.TOTAL_MINUTE` (1970-01-01) holds the all-time total of the same key.
+    `shard` spreads one minute's hot row over the writing processes (pid % 8).
+    """
+
+    minute = models.DateTimeField()
+    kind = models.CharField(max_length=24)  # started, succeeded, retry_scheduled, dead, skipped, cancelled, call...
+    reason = models.CharField(max_length=24, default="", blank=True)  # skipped: misfire, overlap, excluded, paused
+    host = models.CharField(max_length=300, default="", blank=True)  # call, call_failed
+    job_id = models.BigIntegerField(default=0)  # skipped: whose run it was (0: not per job)
+    shard = models.SmallIntegerField(default=0)
+    n = models.BigIntegerField(default=0)
+    lag_n = models.BigIntegerField(default=0)  # started: runs measured (first start, on or after due)
+    lag_sum = models.FloatField(default=0.0)
+    b0 = models.BigIntegerField(default=0)
+    b1 = models.BigIntegerField(default=0)
+    b2 = models.BigIntegerField(default=0)
+    b3 = models.BigIntegerField(default=0)
+    b4 = models.BigIntegerField(default=0)
+    b5 = models.BigIntegerField(default=0)
+    b6 = models.BigIntegerField(default=0)
+    b7 = models.BigIntegerField(default=0)
+    b8 = models.BigIntegerField(default=0)
+    b9 = models.BigIntegerField(default=0)
+    b10 = models.BigIntegerField(default=0)
+    b11 = models.BigIntegerField(default=0)
+    b12 = models.BigIntegerField(default=0)
+
+    class Meta:
+        db_table = "run_rollups"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["minute", "kind", "reason", "host", "job_id", "shard"], name="run_rollups_key"
+            )
+        ]
+        # The dashboard reads a few kinds over a range of minutes.
+        indexes = [models.Index(fields=["kind", "minute"], name="run_rollups_kind_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.minute:%Y-%m-%dT%H:%MZ} {self.kind} {self.n}"
+
+
+class WorkerHeartbeat(models.Model):
+    """A worker process's heartbeat (runs.workers): written every few seconds by the
+    worker itself, read by the system page. No broadcast: a dead worker just stops."""
+
+    name = models.CharField(max_length=200, unique=True)
+    host = models.CharField(max_length=200)
+    pid = models.IntegerField(default=0)
+    started_at = models.DateTimeField()
+    beat_at = models.DateTimeField()
+    in_flight = models.IntegerField(default=0)  # runs this worker holds a live lease on
+    stopped_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        db_table = "worker_heartbeats"
+
+    def __str__(self) -> str:
+        return self.name

@@ -267,10 +267,11 @@ def _email(job: Job, rows: list[Notice], address: str, now: datetime) -> None:
     if not settings.SCHEDULER_EMAIL_ENABLED:
         raise NoticeFailed("e-mail is off: set EMAIL_URL", final=True)
     dead = sum(1 for row in rows if row.kind == K.DEAD)
-    if all(row.kind == K.PAUSED for row in rows):
-        what = "paused itself"
-    else:
-        what = f"{dead} dead run(s)" if dead == len(rows) else f"{len(rows)} notice(s)"
+    skipped = sum(1 for row in rows if row.kind == K.SKIPPED)
+    parts = [f"{dead} dead run(s)"] if dead else []
+    parts += [f"{skipped} skipped run(s)"] if skipped else []
+    parts += ["paused itself"] if any(row.kind == K.PAUSED for row in rows) else []
+    what = ", ".join(parts)
     calls = f"target {job.target}" if job.target else f"Celery task {job.task} on queue {job.queue}"
     lines = [f"Job {job.public_id} ({job.name or 'no name'}), {calls}:", ""]
     for row in rows[:LISTED]:

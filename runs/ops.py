@@ -332,6 +332,7 @@ def prune_runs(
             # The status is checked again in the DELETE itself: a run cannot be
             # reopened between the read and here (requeue locks it), but be sure.
             runs += Run.objects.filter(pk__in=ids, status__in=Run.TERMINAL).delete()[0]
+    _prune_rollups(cutoff)
     if runs:
         audit_record(
             actor=actor,
@@ -342,6 +343,15 @@ def prune_runs(
             detail={"runs": runs, "events": run_events},
         )
     return PruneResult(cutoff, runs, run_events)
+
+
+def _prune_rollups(cutoff: datetime) -> None:
+    """Per-minute rollup rows older than the cutoff go too (the all-time rows stay:
+    the /metrics counters keep counting what was pruned)."""
+    from runs.models import RunRollup
+    from runs.rollups import TOTAL_MINUTE
+
+    RunRollup.objects.filter(minute__lt=cutoff, minute__gt=TOTAL_MINUTE).delete()
 
 
 # --------------------------------------------------------------------------- a run's timeline

@@ -110,10 +110,24 @@ def jobs_lock(job_ids: Iterable[int], *, nowait: bool = False) -> dict[int, Job]
     return {job.pk: job for job in locked}
 
 
-def job_next_run_time(job: Job, *, latest: datetime | None, since: datetime | None, now: datetime) -> datetime:
-    """When the job's next normal run is due by its timing alone (the one rule).
+# A `skipped` row of a time on an excluded date says so in its last_error (and its
+# event's detail says reason `excluded`).
+EXCLUDED_PREFIX = "excluded:"
 
-    A one-off: its `run_at`. A recurring job: the first cron time strictly after
+
+def job_next_run_time(job: Job, *, latest: datetime | None, since: datetime | None, now: datetime) -> datetime | None:
+    """When the job's next normal run is due by its timing alone (the one rule):
+    job_next_run_plan's time. None: a recurring job past its ends_at (no time left)."""
+    return job_next_run_plan(job, latest=latest, since=since, now=now).time
+
+
+def job_next_run_plan(job: Job, *, latest: datetime | None, since: datetime | None, now: datetime) -> schedule.NextTime:
+    """When the job's next normal run is due by its timing alone (the one rule), and
+    the excluded times passed over on the way (each gets a `skipped` row).
+
+    A one-off: its `run_at`. A recurring job: the first time of its timetable
+    (jobs.schedule.Timetable: a cron expression, a list of them, or an `every`;
+    none before starts_at or after ends_at; none on an excluded date) strictly after
     the *after instant*, which is the latest of
 
     - `latest`: the latest `scheduled_for` of the job's counted runs (COUNTED: not
@@ -127,12 +141,17 @@ def job_next_run_time(job: Job, *, latest: datetime | None, since: datetime | No
     edit, or from the end of the run that was in flight during the edit; never from
     the cancelled 1 January run. A time in the past is still the next time: it is
     due at once, and the scanner's misfire policy decides if it is late.
+    Past ends_at the time is None (the job is then `completed`).
+
+    Excluded times: the first SCHEDULER_EXCLUDE_MAX_SKIPPED of them are returned
+    for rows; the rest are counted only (schedule.next_time).
     """
     if not job.is_recurring:
         assert job.run_at is not None
-        return job.run_at
+        return schedule.NextTime(time=job.run_at)
     marks = [t for t in (latest, since, job.timing_changed_at) if t is not None]
-    return schedule.next_cron_time(job.schedule, job.timezone, max(marks) if marks else now)
+    after = max(marks) if marks else now
+    return schedule.next_time(job.timetable(), after, keep=settings.SCHEDULER_EXCLUDE_MAX_SKIPPED)
 
 
 def job_next_run(
@@ -197,17 +216,29 @@ def job_next_runs(
     latest = _latest_counted([job.pk for job in live if job.is_recurring])
     for pk, t in (claimed or {}).items():  # overlap allow: the run claimed just now counts
         latest[pk] = max(t, latest.get(pk, t))
+    plans = {job.pk: job_next_run_plan(job, latest=latest.get(job.pk), since=since, now=now) for job in live}
+    ended = {pk for pk, plan in plans.items() if plan.time is None}  # past ends_at
+    _complete(ended, now)
+    live = [job for job in live if job.pk not in ended]
+    excluded = excluded_times_skip([(job, plans[job.pk]) for job in live], now)
+    if not live:
+        return {}, excluded
     held = _held_jobs(live)
-    rows, skipped = [], []
+    rows, skipped, ended_in_flight = [], [], set()
     for job in live:
-        when = job_next_run_time(job, latest=latest.get(job.pk), since=since, now=now)
+        when = plans[job.pk].time
+        assert when is not None  # jobs past ends_at were completed above
         flight = (in_flight or {}).get(job.pk)
         if flight is None or not job.is_recurring or when > now or when < flight.started_at:
             rows.append(_open_row(job, when, job.pk in held))
             continue
         plan = _overlap_plan(job, first=when, since=since, now=now)
         skipped += _skip_overlapped(job, plan, flight, now)
+        if plan.next_time is None:  # the times that passed in flight were its last (ends_at)
+            ended_in_flight.add(job.pk)
+            continue
         rows.append(_open_row(job, plan.next_time, job.pk in held, due_now=now if plan.buffered else None))
+    _complete(ended_in_flight, now)
     inserted, refused = bulk.insert_open_runs(rows)
     created = {r.job_id: r for r in inserted}
     jobs_by_id = {job.pk: job for job in live}
@@ -216,12 +247,55 @@ def job_next_runs(
         if run is not None:
             created[run.job_id] = run
     detail = {"reason": reason} if reason else {}
-    found = [
+    found = excluded + [
         events.event(r.pk, "scheduled", now, scheduled_for=delivery.iso_z(r.scheduled_for),
                      due_at=delivery.iso_z(r.due_at), **detail)
         for r in created.values()
     ]
     return created, skipped + found
+
+
+def excluded_times_skip(plans: list[tuple[Job, schedule.NextTime]], now: datetime) -> list[events.Event]:
+    """A `skipped` row (reason `excluded`) for each excluded time the plans passed
+    over, but a time that already has a row; their `skipped` events, for the caller.
+    At most SCHEDULER_EXCLUDE_MAX_SKIPPED a job at once: the last row's event counts
+    the others (`excluded_without_row`)."""
+    rows: list[Run] = []
+    reopened: list[Run] = []
+    untold: dict[tuple[int, datetime], int] = {}
+    for job, plan in plans:
+        if not plan.excluded:
+            continue
+        taken = {r.scheduled_for: r for r in Run.objects.filter(job=job, scheduled_for__in=plan.excluded)}
+        zone = schedule.get_zone(job.timezone)
+        for t in plan.excluded:
+            why = f"{EXCLUDED_PREFIX} {t.astimezone(zone).date().isoformat()} is one of the job's excluded dates"
+            if t not in taken:
+                rows.append(Run(job=job, scheduled_for=t, due_at=t, partition=job.partition, status=S.SKIPPED,
+                                finished_at=now, last_error=why))
+            elif taken[t].status == S.CANCELLED and not taken[t].is_backfill:
+                # An edit's cancelled row at this time: it is this time's row again.
+                Run.objects.filter(pk=taken[t].pk).update(status=S.SKIPPED, finished_at=now, last_error=why)
+                reopened.append(taken[t])
+        if plan.excluded_count > len(plan.excluded):
+            untold[(job.pk, plan.excluded[-1])] = plan.excluded_count - len(plan.excluded)
+    created = Run.objects.bulk_create(rows) if rows else []
+    if created and created[0].pk is None:  # backends without RETURNING on bulk insert
+        keys = {(r.job_id, r.scheduled_for) for r in rows}
+        found_rows = Run.objects.filter(job_id__in={k[0] for k in keys}, status=S.SKIPPED)
+        created = [r for r in found_rows if (r.job_id, r.scheduled_for) in keys]
+    by_id = {job.pk: job for job, _ in plans}
+    # Told like any skipped run when the job's notify_on asks (runs.notices, digested).
+    notices.notices_add(
+        notices.notice_row(job=by_id[r.job_id], kind="skipped", run=r, reason="excluded date", now=now)
+        for r in [*created, *reopened]
+    )
+    found = []
+    for r in [*created, *reopened]:
+        more = untold.get((r.job_id, r.scheduled_for))
+        extra = {"excluded_without_row": more} if more else {}
+        found.append(events.event(r.pk, "skipped", now, reason="excluded", **extra))
+    return found
 
 
 def _open_row(job: Job, when: datetime, held: bool, due_now: datetime | None = None) -> Run:
@@ -257,7 +331,7 @@ class Flight:
 
 @dataclass(frozen=True)
 class OverlapPlan:
-    next_time: datetime  # the job's next run
+    next_time: datetime | None  # the job's next run (None: no time left, past ends_at)
     buffered: bool  # buffer_one: next_time has passed, and is due now
     skipped: list[datetime]  # the latest passed times that get a `skipped` row, oldest first
     count: int  # how many passed times are skipped in all (`skipped` may hold fewer)
@@ -269,11 +343,11 @@ def _overlap_plan(job: Job, *, first: datetime, since: datetime | None, now: dat
     keep = max(settings.SCHEDULER_MISFIRE_MAX_SKIPPED, 0)
     passed: deque[datetime] = deque(maxlen=keep + 1)
     count, when = 0, first
-    while when <= now and count < MAX_OVERLAP_TIMES:
+    while when is not None and when <= now and count < MAX_OVERLAP_TIMES:
         passed.append(when)
         count += 1
         when = job_next_run_time(job, latest=when, since=since, now=now)
-    if when <= now:  # looked at enough: go on from now
+    if when is not None and when <= now:  # looked at enough: go on from now
         when = job_next_run_time(job, latest=now, since=since, now=now)
     if job.overlap == Job.Overlap.BUFFER_ONE:
         latest = passed.pop()
@@ -298,6 +372,8 @@ def _skip_overlapped(job: Job, plan: OverlapPlan, flight: Flight, now: datetime)
     created = Run.objects.bulk_create(rows)
     if created and created[0].pk is None:  # backends without RETURNING on bulk insert
         created = list(Run.objects.filter(job=job, scheduled_for__in=[r.scheduled_for for r in rows]))
+    # Told like any skipped run when the job's notify_on asks (runs.notices, digested).
+    notices.notices_add(notices.notice_row(job=job, kind="skipped", run=r, reason=why, now=now) for r in created)
     return [
         events.event(r.pk, "skipped", now, reason="overlap", policy=job.overlap, in_flight=format_id("run", flight.run_id),
                      passed_in_flight=plan.count)
@@ -342,8 +418,11 @@ def _held_jobs(jobs: list[Job]) -> set[int]:
 def _place_after_clash(job: Job, row: Run, now: datetime) -> Run | None:
     """A next run whose insert was refused: the job already has an open run (it is
     the next one), or its time has a row (see job_next_runs). Bounded."""
-    when = row.scheduled_for
+    when: datetime | None = row.scheduled_for
     for _ in range(MAX_TAKEN_TIMES):
+        if when is None:  # no time left: past ends_at
+            _complete({job.pk}, now)
+            return None
         existing = Run.objects.filter(JOBS_OPEN_RUN, job=job).first()
         if existing is not None:
             return None  # made meanwhile, by a path that holds no lock on the job: it stands
@@ -356,7 +435,10 @@ def _place_after_clash(job: Job, row: Run, now: datetime) -> Run | None:
             _complete({job.pk}, now)
             return None
         if earlier is not None:  # taken: an extra run (or a run that happened) covers it
-            when = schedule.next_cron_time(job.schedule, job.timezone, when)
+            plan = job_next_run_plan(job, latest=when, since=None, now=now)
+            events.record_many(excluded_times_skip([(job, plan)], now))
+            when = plan.time
+            continue
         inserted, _ = bulk.insert_open_runs([_open_row(job, when, row.held)])
         if inserted:
             return inserted[0]
@@ -556,7 +638,8 @@ def run_claim_many(*, runs: list[Run], worker: str, lease: timedelta) -> list[Cl
         allow_jobs = jobs_lock(r.job_id for r in runs if _may_detach(r, r.job))
         taken = claims.claim_many(run_ids=[r.pk for r in runs], worker=worker, lease=lease)
         events.record_many(
-            events.event(c.run_id, "claimed", now, fence=c.fence, worker=worker, attempt=c.attempt) for c in taken
+            (events.event(c.run_id, "claimed", now, fence=c.fence, worker=worker, attempt=c.attempt) for c in taken),
+            runs={r.pk: r for r in runs},  # as read before the claim: a first start has no started_at yet
         )
         runs_by_id = {r.pk: r for r in runs}
         _detach_claimed([(runs_by_id[c.run_id], c) for c in taken], allow_jobs, now)
@@ -945,7 +1028,7 @@ def _record_outcomes(calls: list[Call]) -> dict[int, str]:
                 # The owner is told through the outbox, in this transaction; sent later (runs.notices).
                 dead_notices.append(notices.notice_row(job=run.job, kind="dead", run=run, reason=reason, now=now))
                 transaction.on_commit(lambda pk=run.pk, why=reason: notify_dead(run_id=pk, reason=why))
-        events.record_many(found)
+        events.record_many(found, runs={call.run.pk: call.run for call in calls})
         notices.notices_add(dead_notices)
     return outcomes
 

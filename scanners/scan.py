@@ -21,7 +21,7 @@ from runs import claims, events, notices
 from jobs.validators import target_key
 from runs.delivery import iso_z
 from runs.models import Run
-from runs.services import job_next_run, jobs_lock, notify_dead, run_next_create
+from runs.services import EXCLUDED_PREFIX, job_next_run, jobs_lock, notify_dead, run_next_create
 
 logger = logging.getLogger("scheduler.scanner")
 S = Run.Status
@@ -113,7 +113,8 @@ def _host(job: Job) -> str:
 # What the due read needs of a run and its job; a misfired run's job is read whole.
 DUE_FIELDS = (
     "id", "job_id", "partition", "scheduled_for", "due_at", "status", "attempt", "is_backfill",
-    "job__id", "job__window_seconds", "job__target", "job__task", "job__queue", "job__schedule", "job__misfire",
+    "job__id", "job__window_seconds", "job__target", "job__task", "job__queue", "job__schedule",
+    "job__schedule_list", "job__every_seconds", "job__misfire",
 )
 
 
@@ -202,7 +203,7 @@ def _queue_due(due: list[Run], now: datetime, result: ScanResult) -> list[Run]:
     for run in due:
         if run.is_backfill or run.attempt > 0 or now <= _deadline(run, grace):
             on_time.append(run)
-        elif not run.job.schedule and run.job.misfire != "skip":
+        elif not run.job.is_recurring and run.job.misfire != "skip":
             # A late one-off under run_once or run_all runs now, and has no other
             # times to skip: it is queued with the others (a spike held back by
             # SCHEDULER_MAX_QUEUED costs no statement per run).
@@ -338,12 +339,13 @@ def _misfire(run: Run, now: datetime, result: ScanResult) -> bool:
     run under every policy, never skipped."""
     job = run.job
     missed: list[datetime] = []
+    excluded: list[datetime] = []
     missed_count = 0
     next_time = None
     if job.is_recurring:
+        # The job's own timetable (every kind: cron, lists, every, ends_at, exclude).
         found_missed = schedule.missed_times(
-            expr=job.schedule,
-            zone=job.timezone,
+            timetable=job.timetable(),
             late_time=run.scheduled_for,
             now=now,
             window=timedelta(seconds=job.window_seconds),
@@ -351,6 +353,7 @@ def _misfire(run: Run, now: datetime, result: ScanResult) -> bool:
             keep=settings.SCHEDULER_MISFIRE_MAX_SKIPPED,
         )
         missed, missed_count, next_time = found_missed.latest, found_missed.count, found_missed.next_time
+        excluded = found_missed.excluded
     decision = schedule.misfire_decision(
         policy=job.misfire, late_time=run.scheduled_for, missed_after=missed, next_time=next_time
     )
@@ -365,8 +368,9 @@ def _misfire(run: Run, now: datetime, result: ScanResult) -> bool:
         found.append(events.event(run.pk, "skipped", now, reason=f"misfire policy {job.misfire}"))
         notices.notice_add(job=job, kind="skipped", run=run, reason=f"misfire policy {job.misfire}", now=now)
         result.skipped += 1
-    events.record_many(found)
+    events.record_many(found, runs={run.pk: run})
     _skip_times(job, decision.skipped_times, now, result)
+    _skip_times(job, excluded, now, result, excluded=True)
     if not decision.run_late:
         # The one next-run decision, after the skipped rows are written: the first
         # time after the latest of them (decision.next_time); a one-off is completed.
@@ -390,11 +394,16 @@ def _misfired(run: Run, now: datetime, *, other_missed_times: int) -> events.Eve
                         other_missed_times=other_missed_times)
 
 
-def _skip_times(job: Job, times: list[datetime], now: datetime, result: ScanResult) -> None:
-    """Every other missed time gets a `skipped` row (and a `skipped` event)."""
+def _skip_times(job: Job, times: list[datetime], now: datetime, result: ScanResult, *, excluded: bool = False) -> None:
+    """Every other missed time gets a `skipped` row (and a `skipped` event); with
+    `excluded`, the times on the job's excluded dates, with reason `excluded`."""
     if not times:
         return
     taken = set(Run.objects.filter(job=job, scheduled_for__in=times).values_list("scheduled_for", flat=True))
+    why = f"{EXCLUDED_PREFIX} the date is one of the job's excluded dates" if excluded else (
+        f"missed while nothing could start it (misfire policy {job.misfire})"
+    )
+    reason = "excluded" if excluded else f"misfire policy {job.misfire}"
     rows = [
         Run(
             job=job,
@@ -403,7 +412,7 @@ def _skip_times(job: Job, times: list[datetime], now: datetime, result: ScanResu
             partition=job.partition,
             status=S.SKIPPED,
             finished_at=now,
-            last_error=f"missed while nothing could start it (misfire policy {job.misfire})",
+            last_error=why,
         )
         for t in times
         if t not in taken
@@ -411,10 +420,12 @@ def _skip_times(job: Job, times: list[datetime], now: datetime, result: ScanResu
     created = Run.objects.bulk_create(rows)
     if created and created[0].pk is None:  # backends without RETURNING on bulk insert
         created = list(Run.objects.filter(job=job, scheduled_for__in=[r.scheduled_for for r in rows]))
-    events.record_many(events.event(r.pk, "skipped", now, reason=f"misfire policy {job.misfire}") for r in created)
+    events.record_many(
+        (events.event(r.pk, "skipped", now, reason=reason) for r in created),
+        runs={r.pk: r for r in created},
+    )
     notices.notices_add(
-        notices.notice_row(job=job, kind="skipped", run=r, reason=f"misfire policy {job.misfire}", now=now)
-        for r in created
+        notices.notice_row(job=job, kind="skipped", run=r, reason=reason, now=now) for r in created
     )
     result.skipped += len(created)
 

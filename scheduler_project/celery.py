@@ -10,3 +10,22 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "scheduler_project.settings")
 app = Celery("scheduler_project")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks(["runs"])
+
+
+# Each worker writes its own heartbeat row (runs.workers): the system page lists workers
+# from those rows, never from a broadcast that a hung worker could leave unanswered.
+from celery.signals import worker_ready, worker_shutdown  # noqa: E402
+
+
+@worker_ready.connect
+def _start_heartbeat(sender: object = None, **_: object) -> None:
+    from runs import workers
+
+    workers.start(getattr(sender, "hostname", None) or "worker")
+
+
+@worker_shutdown.connect
+def _stop_heartbeat(sender: object = None, **_: object) -> None:
+    from runs import workers
+
+    workers.stop(getattr(sender, "hostname", None) or "worker")

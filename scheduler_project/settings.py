@@ -198,6 +198,8 @@ if not EMBEDDED:
     SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("SCHEDULER_HSTS_INCLUDE_SUBDOMAINS", True)
     SECURE_HSTS_PRELOAD = env_bool("SCHEDULER_HSTS_PRELOAD", True)
 X_FRAME_OPTIONS = "DENY"
+# A failed CSRF check says why when Secure cookies meet plain http (scheduler_project/csrf.py).
+CSRF_FAILURE_VIEW = "scheduler_project.csrf.csrf_failure"
 
 ROOT_URLCONF = "scheduler_project.urls"
 WSGI_APPLICATION = "scheduler_project.wsgi.application"
@@ -223,6 +225,7 @@ AUTH_PASSWORD_VALIDATORS = [
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"  # stored times are UTC; a job's zone lives on the job
+FORMAT_MODULE_PATH = ["scheduler_project.formats"]  # the admin shows times as 2026-10-28T20:30:00Z
 USE_I18N = True
 USE_TZ = True
 STATIC_URL = "static/"
@@ -348,6 +351,8 @@ SCHEDULER_MAX_QUEUED = env_int("SCHEDULER_MAX_QUEUED", 5000)
 # A queued run no worker has claimed after this long is published again
 # (its message may have been lost: Redis keeps nothing on disk).
 SCHEDULER_REQUEUE_AFTER = env_int("SCHEDULER_REQUEUE_AFTER", 30)
+# Seconds between a worker's heartbeats (runs.workers); three missed ones show it as gone.
+SCHEDULER_WORKER_HEARTBEAT = env_int("SCHEDULER_WORKER_HEARTBEAT", 5)
 SCHEDULER_ZK_ROOT = env_str("SCHEDULER_ZK_ROOT", "/scheduler")
 SCHEDULER_ZK_SESSION_TIMEOUT = float(env_str("SCHEDULER_ZK_SESSION_TIMEOUT", "10") or 10)
 # Accepted and ignored: the coordinator no longer waits for the membership to
@@ -355,6 +360,9 @@ SCHEDULER_ZK_SESSION_TIMEOUT = float(env_str("SCHEDULER_ZK_SESSION_TIMEOUT", "10
 SCHEDULER_ZK_TIME_BOUNDARY = float(env_str("SCHEDULER_ZK_TIME_BOUNDARY", "2") or 2)
 SCHEDULER_BACKFILL_MAX_RUNS = env_int("SCHEDULER_BACKFILL_MAX_RUNS", 10000)
 SCHEDULER_MISFIRE_MAX_SKIPPED = env_int("SCHEDULER_MISFIRE_MAX_SKIPPED", 1000)
+# Most `skipped` rows (reason `excluded`) one next-run decision writes for the times on
+# a job's excluded dates; the rest are counted on the last one's event (docs/architecture.md).
+SCHEDULER_EXCLUDE_MAX_SKIPPED = env_int("SCHEDULER_EXCLUDE_MAX_SKIPPED", 100)
 SCHEDULER_ENCRYPTION_KEY = env_str("SCHEDULER_ENCRYPTION_KEY")
 # Set: GET /metrics needs "Authorization: Bearer <token>"; unset: /metrics is open.
 SCHEDULER_METRICS_TOKEN = env_str("SCHEDULER_METRICS_TOKEN")

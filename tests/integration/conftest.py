@@ -45,12 +45,13 @@ class Stack:
         self.log_dir = log_dir
         self.procs: list[Proc] = []
 
-    def scanner(self, name: str) -> Proc:
+    def scanner(self, name: str, **env: str) -> Proc:
+        """A scanner; `env` overrides the stack's environment for it alone."""
         argv = [sys.executable, "manage.py", "scanner", "--identifier", name]
-        return self._start(name, argv)
+        return self._start(name, argv, env)
 
-    def worker(self, name: str, concurrency: int = 2, pool: str = "prefork") -> Proc:
-        return self._start(name, self.worker_argv(name, concurrency, pool))
+    def worker(self, name: str, concurrency: int = 2, pool: str = "prefork", **env: str) -> Proc:
+        return self._start(name, self.worker_argv(name, concurrency, pool), env)
 
     @staticmethod
     def worker_argv(name: str, concurrency: int = 2, pool: str = "prefork") -> list[str]:
@@ -60,8 +61,8 @@ class Stack:
             "--without-heartbeat", "--without-gossip", "--without-mingle",
         ]
 
-    def _start(self, name: str, argv: list[str]) -> Proc:
-        proc = Proc(name, argv, self.env, self.log_dir)
+    def _start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
+        proc = Proc(name, argv, {**self.env, **(env or {})}, self.log_dir)
         self.procs.append(proc)
         return proc
 

@@ -17,6 +17,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta, timezone
+from itertools import islice
 from typing import Any
 from zoneinfo import ZoneInfo
 
@@ -26,6 +27,7 @@ from hypothesis import strategies as st
 
 from jobs.schedule import (
     MisfireDecision,
+    Timetable,
     cron_times,
     describe_cron,
     format_duration,
@@ -34,11 +36,13 @@ from jobs.schedule import (
     misfire_decision,
     missed_times,
     next_cron_time,
+    next_time,
     parse_duration,
     resolve_at,
     retry_delay,
     round_up_to_second,
     spread_due_at,
+    timetable_times,
     validate_cron,
 )
 
@@ -906,3 +910,164 @@ def test_model_weekday_numbering_matches_the_calendar() -> None:
     # 2026-01-04 is a Sunday (cron 0), 2026-01-05 a Monday (cron 1).
     assert date(2026, 1, 4).weekday() == 6 and (date(2026, 1, 4).weekday() + 1) % 7 == 0
     assert (date(2026, 1, 5).weekday() + 1) % 7 == 1
+
+
+# ------------------------------------------------------------------ timetables: every, lists, bounds, exclude
+
+# The issue's table: weekdays at 09:00 and Saturdays at 12:00 in London, no run on
+# Christmas Day. London is UTC+0 in December and switches to BST (UTC+1) on
+# 2027-03-28, so 09:00 is 08:00Z from Monday 29 March.
+LONDON_WORK_AND_SATURDAY = Timetable(
+    zone="Europe/London", crons=("0 9 * * 1-5", "0 12 * * 6"), exclude=frozenset({date(2026, 12, 25)})
+)
+DECEMBER_2026 = """
+    2026-12-01T09:00 2026-12-02T09:00 2026-12-03T09:00 2026-12-04T09:00 2026-12-05T12:00
+    2026-12-07T09:00 2026-12-08T09:00 2026-12-09T09:00 2026-12-10T09:00 2026-12-11T09:00 2026-12-12T12:00
+    2026-12-14T09:00 2026-12-15T09:00 2026-12-16T09:00 2026-12-17T09:00 2026-12-18T09:00 2026-12-19T12:00
+    2026-12-21T09:00 2026-12-22T09:00 2026-12-23T09:00 2026-12-24T09:00 2026-12-26T12:00
+    2026-12-28T09:00 2026-12-29T09:00 2026-12-30T09:00 2026-12-31T09:00
+"""
+MARCH_2027 = """
+    2027-03-01T09:00 2027-03-02T09:00 2027-03-03T09:00 2027-03-04T09:00 2027-03-05T09:00 2027-03-06T12:00
+    2027-03-08T09:00 2027-03-09T09:00 2027-03-10T09:00 2027-03-11T09:00 2027-03-12T09:00 2027-03-13T12:00
+    2027-03-15T09:00 2027-03-16T09:00 2027-03-17T09:00 2027-03-18T09:00 2027-03-19T09:00 2027-03-20T12:00
+    2027-03-22T09:00 2027-03-23T09:00 2027-03-24T09:00 2027-03-25T09:00 2027-03-26T09:00 2027-03-27T12:00
+    2027-03-29T08:00 2027-03-30T08:00 2027-03-31T08:00
+"""
+
+
+def run_times(tt: Timetable, after: str, until: str) -> tuple[list[datetime], list[datetime]]:
+    """(the times that run, the excluded times passed over) in (after, until), by next_time."""
+    ran: list[datetime] = []
+    passed: list[datetime] = []
+    at: datetime | None = z(after)
+    while True:
+        found = next_time(tt, at)
+        passed += [t for t in found.excluded if t < z(until)]
+        if found.time is None or found.time >= z(until):
+            return ran, passed
+        ran.append(found.time)
+        at = found.time
+
+
+@pytest.mark.parametrize(
+    ("after", "until", "expected"), [("2026-11-30T23:59", "2027-01-01T00:00", DECEMBER_2026),
+                                     ("2027-02-28T23:59", "2027-04-01T00:00", MARCH_2027)],
+)
+def test_weekdays_at_0900_and_saturdays_at_1200_in_london_without_christmas_give_the_table(
+    after: str, until: str, expected: str
+) -> None:
+    ran, passed = run_times(LONDON_WORK_AND_SATURDAY, after, until)
+
+    assert ran == [z(t) for t in expected.split()]
+    assert passed == ([z("2026-12-25T09:00")] if after.startswith("2026") else [])
+
+
+def test_two_expressions_naming_the_same_instant_give_one_time() -> None:
+    tt = Timetable(zone="UTC", crons=("0 9 * * *", "0 9,21 * * *", "*/30 9 * * *"))
+
+    got = list(islice(timetable_times(tt, z("2026-12-01T00:00")), 5))
+
+    assert got == [z("2026-12-01T09:00"), z("2026-12-01T09:30"), z("2026-12-01T21:00"), z("2026-12-02T09:00"),
+                   z("2026-12-02T09:30")]
+
+
+def test_each_expression_of_a_list_keeps_the_dst_rule_on_the_spring_forward_night() -> None:
+    # 02:30 does not exist on 2026-03-08 in New York: it runs at 03:00 EDT (07:00Z), once,
+    # and 03:00 itself (the other expression) is that same instant.
+    tt = Timetable(zone="America/New_York", crons=("30 2 * * *", "0 3 * * *"))
+
+    got = list(islice(timetable_times(tt, z("2026-03-07T12:00")), 3))
+
+    assert got == [z("2026-03-08T07:00"), z("2026-03-09T06:30"), z("2026-03-09T07:00")]
+
+
+def test_an_every_timetable_counts_from_its_anchor_in_utc() -> None:
+    tt = Timetable(every=timedelta(minutes=90), anchor=z("2026-12-01T00:00"))
+
+    assert list(islice(timetable_times(tt, z("2026-12-01T00:00")), 3)) == [
+        z("2026-12-01T01:30"), z("2026-12-01T03:00"), z("2026-12-01T04:30")
+    ]
+    # Asked from anywhere, the phase is the anchor's.
+    assert next_time(tt, z("2026-12-07T10:14:59")).time == z("2026-12-07T10:30")
+
+
+def test_an_every_timetable_anchored_at_starts_at_runs_at_starts_at_itself() -> None:
+    tt = Timetable(every=timedelta(hours=1), anchor=z("2026-12-01T00:00:05"), starts_at=z("2026-12-01T00:00:05"))
+
+    assert next_time(tt, z("2026-11-20T00:00")).time == z("2026-12-01T00:00:05")
+    assert next_time(tt, z("2026-12-01T00:00:05")).time == z("2026-12-01T01:00:05")
+
+
+def test_an_every_timetable_anchored_at_the_creation_first_runs_one_interval_later() -> None:
+    tt = Timetable(every=timedelta(hours=1), anchor=z("2026-12-01T00:00"), anchor_runs=False)
+
+    assert next_time(tt, z("2026-11-30T00:00")).time == z("2026-12-01T01:00")
+
+
+def test_an_every_job_across_the_new_york_dst_change_keeps_its_exact_utc_spacing() -> None:
+    tt = Timetable(zone="America/New_York", every=timedelta(hours=5), anchor=z("2026-03-07T00:00"))
+
+    got = list(islice(timetable_times(tt, z("2026-03-07T00:00")), 6))  # through 2026-03-08 07:00Z
+
+    assert [b - a for a, b in zip(got, got[1:])] == [timedelta(hours=5)] * 5
+    assert got[0] == z("2026-03-07T05:00") and got[-1] == z("2026-03-08T06:00")
+    fall = list(islice(timetable_times(tt, z("2026-10-31T00:00")), 6))
+    assert [b - a for a, b in zip(fall, fall[1:])] == [timedelta(hours=5)] * 5
+
+
+def test_no_time_is_before_starts_at_or_after_ends_at() -> None:
+    tt = Timetable(crons=("0 * * * *",), starts_at=z("2026-12-01T10:30"), ends_at=z("2026-12-01T13:00"))
+
+    assert list(timetable_times(tt, z("2026-12-01T00:00"))) == [
+        z("2026-12-01T11:00"), z("2026-12-01T12:00"), z("2026-12-01T13:00")
+    ]
+    assert next_time(tt, z("2026-12-01T13:00")).time is None
+
+
+def test_an_every_1s_timetable_steps_over_an_excluded_day_counting_its_86400_times_keeping_the_first_few() -> None:
+    tt = Timetable(every=timedelta(seconds=1), anchor=z("2026-12-01T00:00"), exclude=frozenset({date(2026, 12, 25)}))
+
+    found = next_time(tt, z("2026-12-24T23:59:59"), keep=3)
+
+    assert found.time == z("2026-12-26T00:00:00")
+    assert found.excluded_count == 86_400
+    assert found.excluded == [z("2026-12-25T00:00:00"), z("2026-12-25T00:00:01"), z("2026-12-25T00:00:02")]
+
+
+def test_an_excluded_date_is_a_date_in_the_jobs_zone() -> None:
+    # 2026-12-25 in Tokyo is 2026-12-24T15:00Z to 2026-12-25T15:00Z.
+    tt = Timetable(zone="Asia/Tokyo", every=timedelta(hours=6), anchor=z("2026-12-01T00:00"),
+                   exclude=frozenset({date(2026, 12, 25)}))
+
+    found = next_time(tt, z("2026-12-24T12:00"))
+
+    assert found.excluded == [z("2026-12-24T18:00"), z("2026-12-25T00:00"), z("2026-12-25T06:00"),
+                              z("2026-12-25T12:00")]
+    assert found.time == z("2026-12-25T18:00")
+
+
+def test_missed_times_of_an_every_job_are_counted_without_walking_them_and_excluded_ones_are_not_missed() -> None:
+    tt = Timetable(every=timedelta(seconds=1), anchor=z("2026-01-01T00:00"), exclude=frozenset({date(2026, 6, 1)}))
+
+    found = missed_times(timetable=tt, late_time=z("2026-01-01T00:00"), now=z("2027-01-01T00:00:10"),
+                         window=timedelta(0), grace=timedelta(seconds=5), keep=3)
+
+    assert found.count == 365 * 86_400 + 4 - 86_400  # up to 00:00:04 of 2027, less the excluded day
+    assert found.latest == [z("2027-01-01T00:00:02"), z("2027-01-01T00:00:03"), z("2027-01-01T00:00:04")]
+    assert found.next_time == z("2027-01-01T00:00:05")
+
+
+def test_missed_times_name_the_excluded_times_among_the_latest_ones() -> None:
+    found = missed_times(timetable=LONDON_WORK_AND_SATURDAY, late_time=z("2026-12-23T09:00"),
+                         now=z("2026-12-27T00:00"), window=timedelta(0), grace=timedelta(seconds=60), keep=10)
+
+    assert found.latest == [z("2026-12-24T09:00"), z("2026-12-26T12:00")]
+    assert found.excluded == [z("2026-12-25T09:00")]
+    assert found.count == 2 and found.next_time == z("2026-12-28T09:00")
+
+
+def test_every_may_be_366d_though_other_durations_stop_at_365d() -> None:
+    assert parse_duration("366d", longest=timedelta(days=366)) == timedelta(days=366)
+    with pytest.raises(ValueError, match="at most 365d"):
+        parse_duration("366d")

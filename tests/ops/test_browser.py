@@ -105,7 +105,7 @@ def jobs_for_the_list(owner: Any, target: LoopbackTarget) -> Job:
 
 
 def status_on_page(page: Any) -> str:
-    return page.locator(".field-status .readonly").inner_text().strip()
+    return page.locator("#run-status").inner_text().strip()
 
 
 def test_an_operator_finds_pauses_and_resumes_a_job_and_requeues_a_dead_run_that_then_succeeds(
@@ -147,8 +147,6 @@ def test_an_operator_finds_pauses_and_resumes_a_job_and_requeues_a_dead_run_that
     page.fill("#id_password", PASSWORD)
     page.click("input[type=submit]")
     page.wait_for_selector("#system-link")
-    page.goto(f"{base}/admin/jobs/job/")
-    page.click("#toggle-nav-sidebar")  # more room for the tables (remembered by the browser)
 
     # The job list, then find the job by search.
     page.goto(f"{base}/admin/jobs/job/")
@@ -180,9 +178,10 @@ def test_an_operator_finds_pauses_and_resumes_a_job_and_requeues_a_dead_run_that
 
     def succeeded_on_page() -> bool:
         page.reload()
-        return status_on_page(page) == "Succeeded"
+        return status_on_page(page) == "succeeded"
 
     wait_for(succeeded_on_page, 60, interval=1, what="the requeued run to succeed on its page")
+    page.wait_for_selector("#timeline-rows .event-succeeded")  # the page's own poller brings the last events
     timeline = page.inner_text("#timeline")
     for text in ("requeued", "HTTP 400", "HTTP 200", "succeeded", "Time in each state"):
         assert text in timeline, text
@@ -197,6 +196,13 @@ def test_an_operator_finds_pauses_and_resumes_a_job_and_requeues_a_dead_run_that
         return "scanner-a" in page.inner_text("#scanners")
 
     wait_for(scanner_on_page, 30, interval=1, what="the scanner on the system page")
+    # The worker process writes its own heartbeat (runs.workers, from Celery's worker_ready): alive, on the page.
+    from runs.models import WorkerHeartbeat
+
+    beat = wait_for(lambda: WorkerHeartbeat.objects.filter(name__startswith="worker-a@").first(), 30,
+                    what="the worker's heartbeat")
+    page.goto(f"{base}/admin/system/")
+    assert beat.name in page.inner_text("#workers") and page.locator("#workers tr.worker-alive").count() == 1
     assert "coordinator unreachable" not in page.inner_text("#content")
     assert "p95" in page.inner_text("#lag")  # the ping run started within the last five minutes
     page.screenshot(path=str(IMG / "admin-system.png"), full_page=True)
@@ -227,9 +233,9 @@ def test_the_admin_and_the_api_docs_render_under_the_content_security_policy(
         response = page.goto(f"{base}{path}")
         assert "default-src 'self'" in response.headers["content-security-policy"], path
         page.wait_for_selector(selector)
-    # The nav sidebar's script ran (it is a file, not inline): the toggle works.
+    # The admin's own scripts ran (files, not inline): the actions bar counts the rows ("0 of 4 selected").
     page.goto(f"{base}/admin/jobs/job/")
-    page.wait_for_selector("#toggle-nav-sidebar")
+    page.wait_for_selector(".action-counter:has-text('0 of')")
 
     response = page.goto(f"{base}/api/docs/")
     assert "script-src 'self'" in response.headers["content-security-policy"]

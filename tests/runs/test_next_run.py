@@ -455,3 +455,37 @@ def test_a_paused_jobs_run_whose_worker_died_waits_held_and_the_resume_releases_
     scan_once(partitions=list(range(16)), publish=False)
     assert run_execute(run_id=run.pk) == "succeeded"
     assert len(target.calls("/ok")) == 1
+
+
+# ----------------------------------------------------------------- timetable kinds
+
+
+def test_an_every_job_edited_during_the_call_gets_its_next_run_at_the_new_interval_from_starts_at(
+    service: Any, target: GatedTarget
+) -> None:
+    start = timezone.now().replace(microsecond=0) - timedelta(hours=1)
+    job = create(service.user, target.url("/ok"), schedule="", every_seconds=600, starts_at=start)
+    run = queue_now(job)
+
+    outcome = during_the_call(target, run, lambda: job_update(job=job, fields={"every_seconds": 420}))
+
+    assert outcome == "succeeded"
+    [nxt] = open_normal_runs(job)
+    # The outcome reads the job again: 7-minute steps from starts_at, after the edit.
+    assert (nxt.scheduled_for - start) % timedelta(minutes=7) == timedelta(0)
+    assert nxt.scheduled_for > Job.objects.get(pk=job.pk).timing_changed_at
+
+
+def test_a_cron_list_job_whose_next_time_is_taken_moves_on_to_the_next_time_of_the_union(
+    service: Any, target: GatedTarget
+) -> None:
+    job = create(service.user, target.url("/ok"), schedule="", schedule_list=["*/5 * * * *", "*/7 * * * *"])
+    first = queue_now(job)
+    times = schedule.timetable_times(job.timetable(), first.scheduled_for)
+    taken, after = next(times), next(times)
+    job_backfill(job=job, times=[taken])  # an extra run at the time the next run would have
+
+    assert run_execute(run_id=first.pk) == "succeeded"
+
+    [nxt] = open_normal_runs(job)
+    assert nxt.scheduled_for == after

@@ -27,6 +27,7 @@ from django.db import connection
 from django.test import override_settings
 
 from jobs.models import AuditEntry, Job
+from jobs.public_ids import parse_id
 from jobs.services import job_create, job_pause, job_resume, job_update
 from runs import claims, notices
 from runs.invariants import one_open_run_per_job
@@ -143,7 +144,7 @@ def test_under_skip_the_times_a_long_call_spans_are_skipped_and_the_next_run_is_
     service: Any, target: HeldTarget, clock: Any
 ) -> None:
     # A call of 3 min 20 s on an every-minute job: 20:31, 20:32 and 20:33 pass while it
-    # is in flight (the lead adds the every-10-seconds variant once `every` is merged).
+    # is in flight (the every-10-seconds variants, one per policy, are further down).
     job = make(service.user, target.url("/long"), overlap="skip")
     run = first_run_due(clock, job)
     assert run_held_call(target, clock, run, lasts=200) == "succeeded"
@@ -278,12 +279,20 @@ def test_overlap_skipped_rows_are_bounded_like_the_misfire_paths(
 
 # --------------------------------------------------------------------------- one long call, each policy
 #
-# Issue 20's done-when: a call three of the job's intervals long, with the scanner
-# scanning and the workers claiming all along, under each policy. The job's interval
-# and the call's length are STEP and 3 * STEP on the frozen clock.
+# Issue 20's done-when: "a 30 s call on an every-10 s job under each overlap policy
+# gives the runs and skipped rows the policy says", with the scanner scanning and the
+# workers claiming all along. The job is made through the API (`"every": "10s"`).
 
-STEP = 60  # seconds between the job's times (EVERY_MINUTE)
-EVERY_STEP = {"schedule": EVERY_MINUTE}
+STEP = 10  # seconds between the job's times
+
+
+def make_every_10s(service: Any, url: str, overlap: str) -> Job:
+    with override_settings(SCHEDULER_MIN_INTERVAL="10s"):
+        response = service.post("/api/jobs/", {"name": "every-10s", "every": "10s", "target": url,
+                                               "overlap": overlap, "retry": {"max": 0}, "timeout": "5s"})
+    assert response.status_code == 201, response.content
+    assert response.json()["overlap"] == overlap
+    return Job.objects.get(pk=parse_id("job", response.json()["id"]))
 
 
 class OneByOneTarget(LoopbackTarget):
@@ -402,10 +411,10 @@ def overlap_rows(job: Job) -> int:
 
 
 @override_settings(SCHEDULER_MISFIRE_GRACE=10, SCHEDULER_BREAKER_FAILURES=10**6, SCHEDULER_LEASE_SECONDS=600)
-def test_a_call_three_intervals_long_under_skip_skips_the_three_times_it_spans(
+def test_a_30s_call_on_an_every_10s_job_under_skip_skips_the_three_times_it_spans(
     service: Any, held_target: OneByOneTarget, clock: Any
 ) -> None:
-    job = make(service.user, held_target.url("/long"), overlap="skip", **EVERY_STEP)
+    job = make_every_10s(service, held_target.url("/long"), "skip")
     found = long_call(job, held_target, clock)
     t = found.first.scheduled_for
     assert found.outcome == "succeeded" and found.started == [found.first.pk]
@@ -419,10 +428,10 @@ def test_a_call_three_intervals_long_under_skip_skips_the_three_times_it_spans(
 
 
 @override_settings(SCHEDULER_MISFIRE_GRACE=10, SCHEDULER_BREAKER_FAILURES=10**6, SCHEDULER_LEASE_SECONDS=600)
-def test_a_call_three_intervals_long_under_buffer_one_runs_the_latest_time_it_spans_at_its_end(
+def test_a_30s_call_on_an_every_10s_job_under_buffer_one_runs_the_latest_time_it_spans_at_its_end(
     service: Any, held_target: OneByOneTarget, clock: Any
 ) -> None:
-    job = make(service.user, held_target.url("/long"), overlap="buffer_one", **EVERY_STEP)
+    job = make_every_10s(service, held_target.url("/long"), "buffer_one")
     found = long_call(job, held_target, clock)
     t = found.first.scheduled_for
     step = timedelta(seconds=STEP)
@@ -438,10 +447,10 @@ def test_a_call_three_intervals_long_under_buffer_one_runs_the_latest_time_it_sp
 
 
 @override_settings(SCHEDULER_MISFIRE_GRACE=10, SCHEDULER_BREAKER_FAILURES=10**6, SCHEDULER_LEASE_SECONDS=600)
-def test_a_call_three_intervals_long_under_allow_runs_every_time_beside_it_with_one_waiting_run(
+def test_a_30s_call_on_an_every_10s_job_under_allow_runs_every_time_beside_it_with_one_waiting_run(
     service: Any, held_target: OneByOneTarget, clock: Any
 ) -> None:
-    job = make(service.user, held_target.url("/long"), overlap="allow", **EVERY_STEP)
+    job = make_every_10s(service, held_target.url("/long"), "allow")
     found = long_call(job, held_target, clock)
     t = found.first.scheduled_for
     step = timedelta(seconds=STEP)
@@ -470,13 +479,13 @@ def test_a_call_three_intervals_long_under_allow_runs_every_time_beside_it_with_
 def test_under_allow_the_api_next_run_is_the_waiting_run_not_one_in_flight(
     service: Any, held_target: OneByOneTarget, clock: Any
 ) -> None:
-    job = make(service.user, held_target.url("/long"), overlap="allow", **EVERY_STEP)
+    job = make(service.user, held_target.url("/long"), overlap="allow")
     workers = Workers(held_target)
     first = first_run_due(clock, job)
     workers.start(first.pk)
     body = service.client.get(f"/api/jobs/{job.public_id}/").json()
     nxt = waiting_run(job)
-    assert nxt.scheduled_for == first.scheduled_for + timedelta(seconds=STEP)
+    assert nxt.scheduled_for == first.scheduled_for + timedelta(minutes=1)
     assert body["next_run"]["id"] == nxt.public_id and body["next_run"]["status"] == "scheduled"
     assert workers.finish(0) == "succeeded"
 
@@ -491,7 +500,7 @@ def test_under_allow_a_detached_runs_retry_stays_detached_and_makes_no_second_wa
     run = first_run_due(clock, job)
     assert run_execute(run_id=run.pk, worker="w1") == "retry_scheduled"
     nxt = waiting_run(job)
-    assert nxt.scheduled_for == run.scheduled_for + timedelta(seconds=STEP)
+    assert nxt.scheduled_for == run.scheduled_for + timedelta(minutes=1)
     run.refresh_from_db()
     assert run.detached and run.status == S.SCHEDULED
     clock.move_to(run.due_at + timedelta(seconds=1))
@@ -506,7 +515,7 @@ def test_under_allow_a_detached_runs_retry_stays_detached_and_makes_no_second_wa
 def test_under_allow_a_detached_run_whose_lease_ran_out_is_recovered_and_claimed_again(
     service: Any, held_target: OneByOneTarget, clock: Any
 ) -> None:
-    job = make(service.user, held_target.url("/lost"), overlap="allow", retry_max=1, **EVERY_STEP)
+    job = make(service.user, held_target.url("/lost"), overlap="allow", retry_max=1)
     run = first_run_due(clock, job)
     with override_settings(SCHEDULER_LEASE_SECONDS=30):
         workers = Workers(held_target)
@@ -530,7 +539,7 @@ def test_under_allow_deleting_the_job_cancels_its_waiting_run_and_the_run_in_fli
 ) -> None:
     from jobs.services import job_delete
 
-    job = make(service.user, held_target.url("/long"), overlap="allow", **EVERY_STEP)
+    job = make(service.user, held_target.url("/long"), overlap="allow")
     workers = Workers(held_target)
     run = first_run_due(clock, job)
     workers.start(run.pk)

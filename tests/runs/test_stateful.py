@@ -38,8 +38,9 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import date, datetime, timedelta
 from typing import Any, Iterator
+from zoneinfo import ZoneInfo
 
 import pytest
 import time_machine
@@ -89,6 +90,13 @@ SCHEDULES = ["*/5 * * * *", "*/2 * * * *", "0 * * * *", "0 0 1 1 *", "30 21 * * 
 # frequent one is where a lost run shows soonest (issue 12, defect 1).
 EDITED_SCHEDULES = ["*/5 * * * *", "*/2 * * * *", "*/5 * * * *", "0 * * * *", "0 0 1 1 *", "30 21 * * *"]
 ZONES = ["UTC", "Europe/London", "America/New_York"]
+# Excluded dates around T0 (in the job's zone): none most often, the first day, the next, both.
+EXCLUDES = [(), (), ("2026-10-28",), ("2026-10-29",), ("2026-10-28", "2026-10-29")]
+EVERY_SECONDS = [120, 300, 3600, 420]
+
+
+def _dates(days: list[str] | tuple[str, ...]) -> frozenset[date]:
+    return frozenset(date.fromisoformat(d) for d in days)
 MISFIRES = ["skip", "run_once", "run_all"]
 OVERLAPS = ["skip", "buffer_one", "allow"]
 IN_FLIGHT = "passed while the job's run was in flight"  # the start of an overlap row's last_error
@@ -99,7 +107,7 @@ EXAMPLES_RUN = {"count": 0}  # machines started in this process (see the test at
 # Emptied before each example (DELETE: a TRUNCATE of these costs a quarter of a second),
 # and the ids started again, so that a replayed example gets the same ids (a job's id
 # decides its partition and where its runs fall in their windows).
-EMPTIED = ("run_events", "runs", "audit_log", "target_breaker_transitions", "target_breakers", "target_slots", "jobs")
+EMPTIED = ("run_events", "notices", "runs", "audit_log", "target_breaker_transitions", "target_breakers", "target_slots", "jobs")
 RESTARTED = ("run_events", "runs", "jobs")
 # The answers a call may get; a hang is rare (it costs the 1 s timeout in real time).
 ANSWER_CHOICES = ["ok", "ok", "fail"] * 3 + ["hang"]
@@ -129,17 +137,38 @@ class Segment:
     """One timing of a job, in force for times in (start, next segment's start]."""
 
     start: datetime
-    cron: str  # "" for a one-off
+    cron: str  # "" for a one-off or an every job
     zone: str
     run_at: datetime | None
+    every: int = 0  # seconds: anchor + k * every, k >= 1 (the anchor is the job's creation)
+    anchor: datetime | None = None
+    exclude: frozenset[date] = frozenset()  # dates in `zone`: their times are skipped rows, reason excluded
+
+    @property
+    def one_off(self) -> bool:
+        return not self.cron and not self.every
 
     def has_time(self, t: datetime) -> bool:
+        if self.every:
+            assert self.anchor is not None
+            return t > self.anchor and (t - self.anchor) % timedelta(seconds=self.every) == timedelta(0)
         if not self.cron:
             return t == self.run_at
         return schedule.next_cron_time(self.cron, self.zone, t - timedelta(seconds=1)) == t
 
+    def excludes(self, t: datetime) -> bool:
+        return not self.one_off and t.astimezone(ZoneInfo(self.zone)).date() in self.exclude
+
     def times(self, until: datetime) -> Iterator[datetime]:
         """Its times in (start, until]."""
+        if self.every:
+            assert self.anchor is not None
+            step = timedelta(seconds=self.every)
+            t = self.anchor + step * max(1, (self.start - self.anchor) // step + 1)
+            while t <= until:
+                yield t
+                t += step
+            return
         if not self.cron:
             if self.run_at is not None and self.start < self.run_at <= until:
                 yield self.run_at
@@ -203,7 +232,7 @@ class ModelJob:
         if self.deleted:
             return Job.State.DELETED
         seg = self.current
-        if not seg.cron and any(
+        if seg.one_off and any(
             r.scheduled_for == seg.run_at and not r.is_backfill and r.status in (S.SUCCEEDED, S.DEAD, S.SKIPPED)
             for r in rows
         ):
@@ -280,8 +309,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     # ---------------------------------------------------------------- user actions
 
     NEW_JOB = dict(
-        kind=st.sampled_from(["cron", "cron", "cron", "at", "delay"]),
+        kind=st.sampled_from(["cron", "cron", "cron", "every", "at", "delay"]),
         cron=st.sampled_from(SCHEDULES),
+        exclude=st.sampled_from(EXCLUDES),
         zone=st.sampled_from(ZONES),
         misfire=st.sampled_from(MISFIRES),
         window=st.sampled_from([0, 0, 30, 300]),
@@ -292,29 +322,34 @@ class SchedulerMachine(RuleBasedStateMachine):
     )
 
     @initialize(target=jobs, **NEW_JOB)
-    def first_job(self, kind: str, cron: str, zone: str, misfire: str, window: int, later: int,
-                  overlap: str = "skip", failures: int = 0, retries: int = 1) -> int:
+    def first_job(self, kind: str, cron: str, exclude: tuple[str, ...], zone: str, misfire: str, window: int,
+                  later: int, overlap: str = "skip", failures: int = 0, retries: int = 1) -> int:
         """Every example starts with a job, so that its steps have something to act on."""
-        return self.create_job(kind, cron, zone, misfire, window, later, overlap, failures, retries)
+        return self.create_job(kind, cron, exclude, zone, misfire, window, later, overlap, failures, retries)
 
     @precondition(lambda self: len(self.model) < 3)
     @rule(target=jobs, **NEW_JOB)
-    def create_job(self, kind: str, cron: str, zone: str, misfire: str, window: int, later: int,
-                   overlap: str = "skip", failures: int = 0, retries: int = 1) -> int:
+    def create_job(self, kind: str, cron: str, exclude: tuple[str, ...], zone: str, misfire: str, window: int,
+                   later: int, overlap: str = "skip", failures: int = 0, retries: int = 1) -> int:
         now = self.now()
         fields: dict[str, Any] = {"name": "m", "target": self.target.url("/pending"), "timezone": zone,
                                   "misfire": misfire, "window_seconds": window, "timeout_seconds": 1,
                                   "retry_max": retries, "retry_base_seconds": 1, "overlap": overlap,
                                   "pause_after_failures": failures}
+        if kind in ("cron", "every"):
+            fields["exclude"] = list(exclude)
         if kind == "cron":
             fields["schedule"] = cron
+        elif kind == "every":
+            fields["every_seconds"] = EVERY_SECONDS[later % len(EVERY_SECONDS)]
         elif kind == "at":  # a whole minute, as a user writes it
             fields["run_at"] = (now + timedelta(seconds=later)).replace(second=0) + timedelta(minutes=1)
         else:  # delay: the serializer's now + delay, rounded up to a second
             fields["run_at"] = schedule.round_up_to_second(now + timedelta(seconds=later))
         job = job_create(owner=self.owner, fields=fields, now=now)
         Job.objects.filter(pk=job.pk).update(target=self.path(job.pk))
-        seg = Segment(start=now, cron=job.schedule, zone=zone, run_at=job.run_at)
+        seg = Segment(start=now, cron=job.schedule, zone=zone, run_at=job.run_at, every=job.every_seconds or 0,
+                      anchor=job.created_at.replace(microsecond=0), exclude=_dates(job.exclude))
         self.model[job.pk] = ModelJob(pk=job.pk, misfire=misfire, window=window, segments=[seg],
                                       overlaps=[(now, overlap)], pause_after_failures=failures)
         return job.pk
@@ -333,6 +368,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             fields["timezone"] = zone
         self._edit(mj, fields)
 
+    @rule(job=jobs, exclude=st.sampled_from(EXCLUDES))
+    def edit_exclude(self, job: int, exclude: tuple[str, ...]) -> None:
+        """A PATCH of a recurring job's excluded dates (the API refuses them on a one-off)."""
+        if self.model[job].current.one_off:
+            return
+        self._edit(self.model[job], {"exclude": list(exclude)})
+
     @rule(job=jobs, other=st.booleans())
     def edit_target(self, job: int, other: bool) -> None:
         self._edit(self.model[job], {"target": self.path(job, other)})
@@ -344,6 +386,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             cron=fields.get("schedule", "" if "run_at" in fields else before.cron),
             zone=fields.get("timezone", before.zone),
             run_at=fields.get("run_at", None if "schedule" in fields else before.run_at),
+            every=0 if "schedule" in fields or "run_at" in fields else before.every,
+            anchor=before.anchor,
+            exclude=_dates(fields["exclude"]) if "exclude" in fields else before.exclude,
         )
         waiting = self.open_normal_run(mj.pk)
         # Overlap allow: the runs in flight beside the waiting one keep the old timing too.
@@ -355,7 +400,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert mj.deleted or "already has a run" in str(exc), exc
             return
         assert not mj.deleted, "a deleted job was edited"
-        if (new.cron, new.zone, new.run_at) != (before.cron, before.zone, before.run_at):
+        if (new.cron, new.zone, new.run_at, new.every, new.exclude) != (
+            before.cron, before.zone, before.run_at, before.every, before.exclude
+        ):
             mj.segments.append(new)
             mj.carried |= beside
             if waiting is not None and (waiting.status != S.SCHEDULED or waiting.attempt > 0):
@@ -568,6 +615,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             check_nothing_claimable(mj, rows[pk], timeline, extra=True)
             check_runs_follow_their_timing(mj, rows[pk])
             check_every_due_time_has_a_row(mj, rows[pk], timeline)
+            check_excluded_times_are_skipped(mj, rows[pk], timeline)
             check_misfire_grace(mj, rows[pk])
             check_overlap(mj, rows[pk], timeline)
             check_lifecycle(mj, jobs[pk], audited)
@@ -652,16 +700,44 @@ def check_every_due_time_has_a_row(mj: ModelJob, rows: list[Run], timeline: dict
 
 
 def _capped_gaps(rows: list[Run], timeline: dict[int, list[RunEvent]]) -> list[tuple[datetime, datetime]]:
-    """Spans a misfire after a long outage leaves without rows on purpose: it writes
+    """Spans left without rows on purpose: a misfire after a long outage writes
     `skipped` rows for the latest SCHEDULER_MISFIRE_MAX_SKIPPED missed times only and
-    counts the earlier ones on its `misfired` event (`other_missed_times`)."""
+    counts the earlier ones on its `misfired` event (`other_missed_times`); a next-run
+    decision writes rows for the first SCHEDULER_EXCLUDE_MAX_SKIPPED excluded times
+    only and counts the rest on the last one's `skipped` event (`excluded_without_row`)."""
     cap = django_settings.SCHEDULER_MISFIRE_MAX_SKIPPED
     ordered = sorted(rows, key=lambda r: r.scheduled_for)
-    return [
+    gaps = [
         (run.scheduled_for, ordered[i + 1].scheduled_for)
         for i, run in enumerate(ordered[:-1])
         if any(e.type == "misfired" and e.detail.get("other_missed_times", 0) > cap for e in timeline.get(run.pk, []))
     ]
+    # The excluded times without a row run up to the job's next row of its own (an
+    # earlier timing's cancelled rows may lie between).
+    lived = [r for r in ordered if r.status != S.CANCELLED and not r.is_backfill]
+    return gaps + [
+        (run.scheduled_for, lived[i + 1].scheduled_for)
+        for i, run in enumerate(lived[:-1])
+        if any(e.type == "skipped" and e.detail.get("excluded_without_row", 0) > 0 for e in timeline.get(run.pk, []))
+    ]
+
+
+def check_excluded_times_are_skipped(mj: ModelJob, rows: list[Run], timeline: dict[int, list[RunEvent]]) -> None:
+    """A normal run at a time on an excluded date (of the timing in force then) is a
+    `skipped` row with reason `excluded`; and only those are."""
+    for run in rows:
+        if run.is_backfill or run.status == S.CANCELLED or run.pk in mj.carried:
+            continue
+        seg = mj.segment_of(run.scheduled_for)
+        reasons = [e.detail.get("reason") for e in timeline.get(run.pk, []) if e.type == "skipped"]
+        # A row's latest word counts: an edit can cancel an excluded time's row and open it again.
+        skipped_as_excluded = run.status == S.SKIPPED and reasons[-1:] == ["excluded"]
+        if seg is not None and seg.excludes(run.scheduled_for):
+            assert skipped_as_excluded, (
+                f"job {mj.pk}'s run {describe([run])} is on an excluded date of {seg} but not skipped as excluded"
+            )
+        else:
+            assert not skipped_as_excluded, f"job {mj.pk}'s run {describe([run])} is skipped as excluded; {seg}"
 
 
 def check_misfire_grace(mj: ModelJob, rows: list[Run]) -> None:
@@ -671,6 +747,8 @@ def check_misfire_grace(mj: ModelJob, rows: list[Run]) -> None:
     for run in rows:
         if run.status != S.SKIPPED or run.finished_at is None or run.last_error.startswith(IN_FLIGHT):
             continue  # an overlap row is check_overlap's
+        if run.last_error.startswith("excluded:"):
+            continue  # an excluded time is skipped when the timetable passes over it, not missed
         deadline = schedule.misfire_deadline(
             scheduled_for=run.scheduled_for, due_at=run.due_at, window=timedelta(seconds=mj.window), grace=grace
         )
@@ -832,7 +910,8 @@ def replay(owner: Any, target: ChosenAnswerTarget, steps: list[tuple[str, dict[s
         machine.teardown()
 
 
-FIRST_JOB = {"kind": "cron", "cron": "*/5 * * * *", "zone": "UTC", "misfire": "skip", "window": 0, "later": 1}
+FIRST_JOB = {"kind": "cron", "cron": "*/5 * * * *", "exclude": (), "zone": "UTC", "misfire": "skip", "window": 0,
+             "later": 1}
 
 
 @pytest.mark.django_db(transaction=True)
@@ -908,6 +987,21 @@ def test_the_model_follows_allow_runs_side_by_side_that_end_out_of_order(target:
     assert AuditEntry.objects.filter(actor="scheduler", action="paused").count() == 1
 
 
+@pytest.mark.django_db(transaction=True)
+@override_settings(SCHEDULER_BREAKER_FAILURES=10**6, SCHEDULER_MISFIRE_GRACE=60, SCHEDULER_LEASE_SECONDS=60)
+def test_the_model_finds_the_excluded_times_of_a_new_schedule_skipped_when_its_next_run_keeps_its_time(
+    target: ChosenAnswerTarget,
+) -> None:
+    """Found by the model on the first version of exclude: */5 excluded on 10-28 and 10-29,
+    edited to */2, keeps 10-30 00:00 as its next run; the waiting run was only re-spread,
+    so the */2 times of 10-28 had no `skipped` rows (the old */5 rows were cancelled)."""
+    owner, _ = service_account_ensure(name="stateful", email="stateful@example.test")
+    replay(owner, target, [
+        ("first_job", {**FIRST_JOB, "exclude": ("2026-10-28", "2026-10-29")}),
+        ("edit_timing", {"job": 1, "kind": "cron", "cron": "*/2 * * * *", "later": 1, "zone": None}),
+        ("worker_batch", {"answer": "ok"}),
+    ])
+
 
 @pytest.mark.django_db(transaction=True)
 @override_settings(SCHEDULER_BREAKER_FAILURES=10**6, SCHEDULER_MISFIRE_GRACE=60, SCHEDULER_LEASE_SECONDS=60)
@@ -927,3 +1021,16 @@ def test_the_model_follows_a_job_that_pauses_itself_and_one_paused_until_a_time(
     ])
     assert AuditEntry.objects.filter(actor="scheduler", action="paused").count() == 1
     assert AuditEntry.objects.filter(actor="scheduler", action="resumed").count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(SCHEDULER_BREAKER_FAILURES=10**6, SCHEDULER_MISFIRE_GRACE=60, SCHEDULER_LEASE_SECONDS=60)
+def test_the_model_finds_a_date_taken_out_of_exclude_runs_again(target: ChosenAnswerTarget) -> None:
+    """An excluded time's `skipped` row is cancelled by the edit that takes its date out of
+    `exclude`, and opened again as the job's next run."""
+    owner, _ = service_account_ensure(name="stateful", email="stateful@example.test")
+    replay(owner, target, [
+        ("first_job", {**FIRST_JOB, "exclude": ("2026-10-28",)}),
+        ("edit_exclude", {"job": 1, "exclude": ()}),
+        ("worker_batch", {"answer": "ok"}),
+    ])

@@ -18,6 +18,7 @@ class Delivery(models.Model):
 
     class Meta:
         db_table = "receiver_deliveries"
+        verbose_name_plural = "deliveries"
 
     def __str__(self) -> str:
         return self.key
