@@ -484,7 +484,22 @@ class JobAdmin(admin.ModelAdmin):
                 self.message_user(request, f"Not saved: {refusal}.", messages.ERROR)
                 return HttpResponseRedirect(request.get_full_path())
             self.message_user(request, f"{refusal}.", messages.WARNING)
-        return super().change_view(request, object_id, form_url, extra_context)
+        return super().change_view(request, object_id, form_url, self._runs_context(object_id, extra_context))
+
+    def _runs_context(self, object_id: str, extra_context: dict[str, Any] | None) -> dict[str, Any]:
+        """The job page's link to its runs and its latest run, kept up to date (scheduler/live.js)."""
+        context = dict(extra_context or {})
+        pk = parse_id("job", object_id)
+        if pk is not None:
+            latest = Run.objects.filter(job_id=pk).order_by("-scheduled_for", "-id").first()
+            finished = Run.objects.filter(job_id=pk, status__in=Run.TERMINAL).order_by("-scheduled_for", "-id")
+            context.update(
+                runs_url=f"{reverse('admin:runs_run_changelist')}?job={format_id('job', pk)}",
+                latest_run=latest,
+                latest_outcome=finished.first(),
+                latest_live_url=reverse("admin:runs_run_live", args=[latest.pk]) if latest else "",
+            )
+        return context
 
     def has_operate_permission(self, request: HttpRequest) -> bool:
         return self.has_change_permission(request)
@@ -541,24 +556,6 @@ class JobAdmin(admin.ModelAdmin):
 
     def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
         return super().changelist_view(request, dict(extra_context or {}, title="Jobs"))
-
-    # ---- the job page: a link to its runs and its latest run, kept up to date (scheduler/live.js)
-
-    def change_view(
-        self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: Any = None
-    ) -> HttpResponse:
-        context = dict(extra_context or {})
-        pk = parse_id("job", object_id)
-        if pk is not None:
-            latest = Run.objects.filter(job_id=pk).order_by("-scheduled_for", "-id").first()
-            finished = Run.objects.filter(job_id=pk, status__in=Run.TERMINAL).order_by("-scheduled_for", "-id")
-            context.update(
-                runs_url=f"{reverse('admin:runs_run_changelist')}?job={format_id('job', pk)}",
-                latest_run=latest,
-                latest_outcome=finished.first(),
-                latest_live_url=reverse("admin:runs_run_live", args=[latest.pk]) if latest else "",
-            )
-        return super().change_view(request, object_id, form_url, context)
 
     @admin.display(description="target host")
     def target_host(self, job: Job) -> str:

@@ -11,6 +11,7 @@ import os
 import secrets
 from datetime import timedelta
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
@@ -73,6 +74,32 @@ def embedded_database() -> Path:
     return path
 
 
+def database_from_url(url: str) -> dict:
+    """dj-database-url's reading of DATABASE_URL, plus libpq's multi-host form, which it
+    cannot parse: `postgres://user@h1:p1,h2:p2/db?target_session_attrs=read-write`
+    becomes HOST "h1,h2" and PORT "p1,p2", handed to libpq as its host and port lists
+    (it tries them in order and keeps the first that matches target_session_attrs)."""
+    parts = urlsplit(url)
+    userinfo, at, hostlist = parts.netloc.rpartition("@")
+    if "," not in hostlist:
+        return dj_database_url.parse(url, conn_max_age=60)
+    hosts, ports = [], []
+    for item in hostlist.split(","):
+        if item.startswith("["):  # [::1]:5432
+            host, _, rest = item[1:].partition("]")
+            port = rest.removeprefix(":")
+        else:
+            host, _, port = item.partition(":")
+        if not host or (port and not port.isdigit()):
+            raise ImproperlyConfigured(f"DATABASE_URL: {item!r} is not a host[:port] in its host list")
+        hosts.append(host)
+        ports.append(port or "5432")
+    first = hostlist.split(",")[0]
+    config = dj_database_url.parse(parts._replace(netloc=f"{userinfo}{at}{first}").geturl(), conn_max_age=60)
+    config["HOST"], config["PORT"] = ",".join(hosts), ",".join(ports)
+    return config
+
+
 EMBEDDED = not env_str("DATABASE_URL")
 
 if EMBEDDED:
@@ -92,7 +119,7 @@ if EMBEDDED:
     }
     SECRET_KEY = env_str("SECRET_KEY") or embedded_secret_key()
 else:
-    DATABASES = {"default": dj_database_url.parse(env_str("DATABASE_URL"), conn_max_age=60)}
+    DATABASES = {"default": database_from_url(env_str("DATABASE_URL"))}
     if env_str("SCHEDULER_DB_APPLICATION_NAME"):
         # Names this process's connections in pg_stat_activity (the soak finds a worker's by it).
         DATABASES["default"].setdefault("OPTIONS", {})["application_name"] = env_str("SCHEDULER_DB_APPLICATION_NAME")

@@ -474,10 +474,11 @@ def test_a_misfire_over_an_excluded_date_skips_that_time_with_reason_excluded_no
 @time_machine.travel("2026-12-27T00:00:00Z", tick=False)
 def test_a_backfill_lists_an_every_jobs_times_but_not_those_on_excluded_dates(service: Service) -> None:
     from jobs.services import backfill_plan
+    from tests.factories import created_long_ago
 
     data = create(service, body(every="12h", starts_at="2026-12-24T06:00:00Z", exclude=["2026-12-25"]))
 
-    plan = backfill_plan(job=job_of(data), since=utc("2026-12-24T00:00:00Z"), until=utc("2026-12-27T00:00:00Z"),
+    plan = backfill_plan(job=created_long_ago(job_of(data)), since=utc("2026-12-24T00:00:00Z"), until=utc("2026-12-27T00:00:00Z"),
                          now=timezone.now())
 
     assert [iso_z(t) for t in plan.times] == ["2026-12-24T06:00:00Z", "2026-12-24T18:00:00Z",
