@@ -12,7 +12,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from django.conf import settings
@@ -234,6 +234,7 @@ def job_next_runs(
             continue
         plan = _overlap_plan(job, first=when, since=since, now=now)
         skipped += _skip_overlapped(job, plan, flight, now)
+        skipped += excluded_times_skip([(job, found) for found in plan.excluded], now)
         if plan.next_time is None:  # the times that passed in flight were its last (ends_at)
             ended_in_flight.add(job.pk)
             continue
@@ -335,6 +336,9 @@ class OverlapPlan:
     buffered: bool  # buffer_one: next_time has passed, and is due now
     skipped: list[datetime]  # the latest passed times that get a `skipped` row, oldest first
     count: int  # how many passed times are skipped in all (`skipped` may hold fewer)
+    # The steps from one time to the next that passed over excluded times (each of
+    # those gets its `skipped` row, reason `excluded`: excluded_times_skip).
+    excluded: list[schedule.NextTime] = field(default_factory=list)
 
 
 def _overlap_plan(job: Job, *, first: datetime, since: datetime | None, now: datetime) -> OverlapPlan:
@@ -343,17 +347,26 @@ def _overlap_plan(job: Job, *, first: datetime, since: datetime | None, now: dat
     keep = max(settings.SCHEDULER_MISFIRE_MAX_SKIPPED, 0)
     passed: deque[datetime] = deque(maxlen=keep + 1)
     count, when = 0, first
+    excluded: list[schedule.NextTime] = []
+
+    def step(after: datetime) -> datetime | None:
+        found = job_next_run_plan(job, latest=after, since=since, now=now)
+        if found.excluded:
+            excluded.append(found)
+        return found.time
+
     while when is not None and when <= now and count < MAX_OVERLAP_TIMES:
         passed.append(when)
         count += 1
-        when = job_next_run_time(job, latest=when, since=since, now=now)
+        when = step(when)
     if when is not None and when <= now:  # looked at enough: go on from now
-        when = job_next_run_time(job, latest=now, since=since, now=now)
+        when = step(now)
     if job.overlap == Job.Overlap.BUFFER_ONE:
         latest = passed.pop()
         return OverlapPlan(next_time=latest, buffered=True, skipped=list(passed)[-keep:] if keep else [],
-                           count=count - 1)
-    return OverlapPlan(next_time=when, buffered=False, skipped=list(passed)[-keep:] if keep else [], count=count)
+                           count=count - 1, excluded=excluded)
+    return OverlapPlan(next_time=when, buffered=False, skipped=list(passed)[-keep:] if keep else [], count=count,
+                       excluded=excluded)
 
 
 def _skip_overlapped(job: Job, plan: OverlapPlan, flight: Flight, now: datetime) -> list[events.Event]:

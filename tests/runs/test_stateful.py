@@ -47,6 +47,7 @@ import time_machine
 from unittest import mock
 from django.conf import settings as django_settings
 from django.db import connection
+from django.db.models import Max
 from django.test import override_settings
 from django.utils import timezone
 from hypothesis import HealthCheck, event, settings, strategies as st
@@ -187,8 +188,10 @@ class ModelJob:
     paused: bool = False
     deleted: bool = False
     carried: set[int] = field(default_factory=set)  # runs in flight at an edit: the old timing's
-    # (from when, policy): the overlap policy in force for outcomes written after `from when`.
-    overlaps: list[tuple[datetime, str]] = field(default_factory=list)
+    # (mark, policy): the overlap policy in force for outcomes whose event id is above
+    # `mark`, the highest event id when it was set (event ids, not times: the clock is
+    # frozen, and an edit and an outcome at one instant come in the order they ran).
+    overlaps: list[tuple[int, str]] = field(default_factory=list)
     pause_after_failures: int = 0
     # Its normal runs that ran (succeeded or dead), as (scheduled_for, outcome): under
     # overlap allow they end in any order, and pause_after_failures counts the latest
@@ -198,8 +201,8 @@ class ModelJob:
     paused_until: datetime | None = None
     resumed_itself: int = 0  # times the scanner resumed it at its paused_until
 
-    def overlap_at(self, t: datetime) -> str:
-        return [policy for since, policy in self.overlaps if since <= t][-1]
+    def overlap_at(self, event_id: int) -> str:
+        return [policy for mark, policy in self.overlaps if mark < event_id][-1]
 
     def ended(self, outcome: str, scheduled_for: datetime) -> None:
         """A normal run of the job ended (its outcome landed): pause_after_failures, after
@@ -351,7 +354,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         seg = Segment(start=now, cron=job.schedule, zone=zone, run_at=job.run_at, every=job.every_seconds or 0,
                       anchor=job.created_at.replace(microsecond=0), exclude=_dates(job.exclude))
         self.model[job.pk] = ModelJob(pk=job.pk, misfire=misfire, window=window, segments=[seg],
-                                      overlaps=[(now, overlap)], pause_after_failures=failures)
+                                      overlaps=[(0, overlap)], pause_after_failures=failures)
         return job.pk
 
     @rule(job=jobs, kind=st.sampled_from(["cron", "cron", "at", "zone"]), cron=st.sampled_from(EDITED_SCHEDULES),
@@ -417,7 +420,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         except ValueError:
             assert mj.deleted, "an edit of a live job was refused"
             return
-        mj.overlaps.append((now, overlap))
+        mj.overlaps.append((RunEvent.objects.aggregate(m=Max("id"))["m"] or 0, overlap))
         mj.pause_after_failures = failures
 
     @rule(job=jobs)
@@ -787,7 +790,7 @@ def check_overlap(mj: ModelJob, rows: list[Run], timeline: dict[int, list[RunEve
             continue  # deleted, or a one-off: no next run
         nxt_at = datetime.fromisoformat(nxt.replace("Z", "+00:00"))
         latest = max(r.scheduled_for for r in skipped)
-        policy = mj.overlap_at(ended_at)
+        policy = mj.overlap_at(told[-1].id)
         note(f"overlap rows under {policy}")
         if policy == "skip" or nxt_at > ended_at:
             assert nxt_at > ended_at, f"job {mj.pk} (overlap skip): its next run {nxt} has passed at {ended_at}"
@@ -1034,3 +1037,39 @@ def test_the_model_finds_a_date_taken_out_of_exclude_runs_again(target: ChosenAn
         ("edit_exclude", {"job": 1, "exclude": ()}),
         ("worker_batch", {"answer": "ok"}),
     ])
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(SCHEDULER_BREAKER_FAILURES=10**6, SCHEDULER_MISFIRE_GRACE=60, SCHEDULER_LEASE_SECONDS=60)
+def test_the_model_finds_the_excluded_times_a_long_call_spans_skipped_as_excluded(target: ChosenAnswerTarget) -> None:
+    """Found by the model once allow was in it: a */5 job's call, claimed at 20:30, lasts
+    until 10-29 00:00 while 10-29 is excluded; the overlap plan passed over 10-29's times
+    without their `excluded` rows (now written by the outcome, as the next-run path does)."""
+    owner, _ = service_account_ensure(name="stateful", email="stateful@example.test")
+    replay(owner, target, [
+        ("first_job", FIRST_JOB),
+        ("create_job", {**FIRST_JOB, "exclude": ("2026-10-28",)}),
+        ("claim", {"many": False}),
+        ("edit_exclude", {"job": 1, "exclude": ("2026-10-29",)}),
+        ("worker_batch", {"answer": "ok"}),  # the clock to 10-29 00:00: the call's lease ran out, claimed again
+    ])
+    assert Run.objects.filter(job_id=1, last_error__startswith=run_services.EXCLUDED_PREFIX).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(SCHEDULER_BREAKER_FAILURES=10**6, SCHEDULER_MISFIRE_GRACE=60, SCHEDULER_LEASE_SECONDS=60)
+def test_the_model_reads_an_overlap_edit_at_the_instant_of_an_outcome_in_the_order_they_ran(
+    target: ChosenAnswerTarget,
+) -> None:
+    """Found by the model: an outcome under skip, then, at the same frozen instant, an
+    edit to buffer_one; the model took the edit's policy for the outcome (it compared
+    times; it now compares event ids)."""
+    owner, _ = service_account_ensure(name="stateful", email="stateful@example.test")
+    replay(owner, target, [
+        ("first_job", FIRST_JOB),
+        ("create_job", {**FIRST_JOB, "exclude": ("2026-10-28",)}),
+        ("claim", {"many": False}),
+        ("worker_batch", {"answer": "ok"}),
+        ("edit_lifecycle", {"job": 1, "overlap": "buffer_one", "failures": 0}),
+    ])
+    assert Run.objects.filter(job_id=1, last_error__startswith=IN_FLIGHT).exists()
