@@ -214,7 +214,7 @@ class ModelJob:
             limit = self.pause_after_failures
             latest = [o for _, o in sorted(self.ran)[-limit:]] if limit else []
             if limit and len(latest) == limit and set(latest) == {"dead"} and not (self.paused or self.deleted) \
-                    and self.current.cron:
+                    and not self.current.one_off:  # a recurring job: cron or every
                 self.paused = True
                 self.paused_itself += 1
                 note("a job paused itself")
@@ -1073,3 +1073,15 @@ def test_the_model_reads_an_overlap_edit_at_the_instant_of_an_outcome_in_the_ord
         ("edit_lifecycle", {"job": 1, "overlap": "buffer_one", "failures": 0}),
     ])
     assert Run.objects.filter(job_id=1, last_error__startswith=IN_FLIGHT).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(SCHEDULER_BREAKER_FAILURES=10**6, SCHEDULER_MISFIRE_GRACE=60, SCHEDULER_LEASE_SECONDS=60)
+def test_the_model_knows_an_every_job_pauses_itself_after_failures(target: ChosenAnswerTarget) -> None:
+    """Found by the model: it paused only cron jobs itself, not `every` jobs."""
+    owner, _ = service_account_ensure(name="stateful", email="stateful@example.test")
+    replay(owner, target, [
+        ("first_job", {**FIRST_JOB, "kind": "every", "failures": 1, "retries": 0}),
+        ("worker_batch", {"answer": "fail"}),
+    ])
+    assert Job.objects.get().paused
