@@ -158,7 +158,8 @@ class JobAdminForm(forms.ModelForm):
         choices=Job.Overlap.choices,
         initial=Job.Overlap.SKIP,
         help_text="A time that passes while the job's run is in flight: skip it (a skipped run, reason overlap), "
-        "or buffer_one (the latest such time runs as soon as the run ends).",
+        "buffer_one (the latest such time runs as soon as the run ends), or allow (runs may overlap: the next "
+        "run is made when a run starts).",
     )
     target = forms.CharField(
         required=False, max_length=2000, strip=False,

@@ -43,10 +43,11 @@ class Job(models.Model):
 
     class Overlap(models.TextChoices):
         # What happens to a time that passes while the job's run is in flight (from its
-        # claim to its outcome): runs.services.job_next_runs. (`allow`, runs side by
-        # side, is not built yet: docs/architecture.md.)
+        # claim to its outcome): runs.services.job_next_runs. `allow`: runs side by
+        # side, the next run made at the claim (runs.services._detach_claimed).
         SKIP = "skip"
         BUFFER_ONE = "buffer_one"
+        ALLOW = "allow"
 
     class Backoff(models.TextChoices):
         EXPONENTIAL = "exponential"

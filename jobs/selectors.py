@@ -12,7 +12,7 @@ from typing import Any
 from django.db.models import Prefetch, QuerySet
 
 from jobs.models import AuditEntry, Job
-from runs.models import Run, RunEvent
+from runs.models import JOBS_OPEN_RUN, Run, RunEvent
 
 # The statuses `?status=` accepts, in the order the docs list them.
 RUN_STATUSES: tuple[str, ...] = tuple(Run.Status.values)
@@ -24,7 +24,7 @@ def _sees_all(user: Any) -> bool:
 
 def _open_runs() -> Prefetch:
     # One extra query for a whole page of jobs, instead of one per job for `next_run`.
-    query = Run.objects.filter(status__in=Run.OPEN, is_backfill=False).order_by("scheduled_for")
+    query = Run.objects.filter(JOBS_OPEN_RUN).order_by("scheduled_for")
     return Prefetch("runs", queryset=query, to_attr="open_runs")
 
 
@@ -67,7 +67,7 @@ def open_run_of(job: Job) -> Run | None:
     prefetched = getattr(job, "open_runs", None)
     if prefetched is not None:
         return prefetched[0] if prefetched else None
-    return Run.objects.filter(job=job, status__in=Run.OPEN, is_backfill=False).first()
+    return Run.objects.filter(JOBS_OPEN_RUN, job=job).first()
 
 
 def audit_for(user: Any, object_id: str | None = None) -> QuerySet[AuditEntry]:

@@ -609,12 +609,13 @@ class JobSerializer(StrictFieldsMixin, serializers.Serializer):
     overlap = serializers.ChoiceField(
         required=False,
         choices=Job.Overlap.choices,
-        error_messages={"invalid_choice": 'unknown overlap policy "{input}": use skip or buffer_one '
-                        '(allow, runs side by side, is not available yet)'},
+        error_messages={"invalid_choice": 'unknown overlap policy "{input}": use skip, buffer_one or allow'},
         help_text="What happens to a time that passes while the job's run is in flight (from its claim to its "
         "outcome): skip (default: a `skipped` run with reason `overlap`; the next run is the next future "
-        "time) or buffer_one (the latest such time runs as soon as the run in flight ends, the others are "
-        "skipped). Those times are the overlap policy's, not the misfire policy's.",
+        "time), buffer_one (the latest such time runs as soon as the run in flight ends, the others are "
+        "skipped) or allow (runs may overlap: the next run is made when a run is claimed, so every time runs, "
+        "beside the runs still in flight; the job still has exactly one waiting run, its `next_run`). Those "
+        "times are the overlap policy's, not the misfire policy's.",
     )
     pause_after_failures = serializers.IntegerField(
         required=False,

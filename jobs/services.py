@@ -14,7 +14,7 @@ from jobs.models import Job
 from jobs.secrets import encrypt_headers, split_headers
 from runs import events
 from runs.delivery import iso_z
-from runs.models import Run
+from runs.models import JOBS_OPEN_RUN, Run
 from runs.services import (
     EXCLUDED_PREFIX,
     excluded_times_skip,
@@ -133,7 +133,7 @@ def _check_job_cap(owner: Any, adding: int = 1) -> None:
 
 
 def open_run(job: Job, *, lock: bool = False) -> Run | None:
-    query = Run.objects.filter(job=job, status__in=Run.OPEN, is_backfill=False)
+    query = Run.objects.filter(JOBS_OPEN_RUN, job=job)
     if lock:
         query = query.select_for_update()
     return query.first()

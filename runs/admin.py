@@ -278,7 +278,7 @@ class RunAdmin(admin.ModelAdmin):
     show_full_result_count = False  # no second COUNT(*) over the whole table
     actions = ("requeue_dead_runs", "mark_handled")
     fieldsets = (
-        (None, {"fields": ("job", "status_badge", "idempotency_key", "is_backfill", "held", "next_run")}),
+        (None, {"fields": ("job", "status_badge", "idempotency_key", "is_backfill", "held", "detached", "next_run")}),
         ("Times", {"fields": ("scheduled_for", "due_at", "queued_at", "started_at", "finished_at")}),
         ("Lease", {"fields": ("attempt", "fence", "lease_owner", "lease_expires_at", "partition")}),
         ("Dead list", {"fields": ("last_error", "told", "handled_at", "handled_by")}),

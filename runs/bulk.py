@@ -10,7 +10,7 @@ from __future__ import annotations
 from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
-from runs.models import Run
+from runs.models import JOBS_OPEN_RUN, Run
 from scheduler_project import statement_counter
 
 _FIELDS = [f for f in Run._meta.concrete_fields if not f.primary_key]
@@ -67,7 +67,7 @@ def _insert_all(rows: list[Run]) -> None:
                 copy.write_row([getattr(r, f.attname) for f in _FIELDS])
     statement_counter.note()
     ids = dict(
-        Run.objects.filter(job_id__in=[r.job_id for r in rows], status__in=Run.OPEN, is_backfill=False).values_list(
+        Run.objects.filter(JOBS_OPEN_RUN, job_id__in=[r.job_id for r in rows]).values_list(
             "job_id", "pk"
         )
     )

@@ -246,6 +246,14 @@ def may_claim(run: Run, now: datetime) -> bool:
     return _fence_checks_disabled() or (run.lease_expires_at is not None and run.lease_expires_at < now)
 
 
+def detach(*, run_id: int, fence: int) -> bool:
+    """Overlap `allow`: the run, just claimed under `fence`, is no longer its job's
+    waiting run (runs.models.JOBS_OPEN_RUN), so the job's next run can be made beside
+    it (runs.services._detach_claimed). False: not the current holder, a backfill, or
+    detached already."""
+    return Run.objects.filter(_holder(run_id, fence), is_backfill=False, detached=False).update(detached=True) == 1
+
+
 def heartbeat(*, run_id: int, fence: int, lease: timedelta) -> bool:
     """Extend the lease, in the store's clock. False means the lease was taken over
     (or the run ended)."""

@@ -14,7 +14,7 @@ from typing import Any
 
 from django.db.models import Count
 
-from runs.models import Run, RunEvent
+from runs.models import JOBS_OPEN_RUN, Run, RunEvent
 
 S = Run.Status
 TERMINAL_EVENTS = frozenset({"succeeded", "dead", "skipped", "cancelled"})
@@ -43,9 +43,10 @@ class Event:
 
 
 def one_open_run_per_job() -> list[str]:
-    """Every job has at most one open run, backfills apart."""
+    """Every job has at most one open run of its own (JOBS_OPEN_RUN), backfills and
+    detached runs (overlap `allow`: in flight beside it) apart."""
     rows = (
-        Run.objects.filter(status__in=Run.OPEN, is_backfill=False)
+        Run.objects.filter(JOBS_OPEN_RUN)
         .values("job_id")
         .annotate(n=Count("id"))
         .filter(n__gt=1)

@@ -41,6 +41,10 @@ class Run(models.Model):
     finished_at = models.DateTimeField(null=True, blank=True)
     last_error = models.TextField(blank=True)
     is_backfill = models.BooleanField(default=False)
+    # Overlap `allow`: set at the run's first claim, when the job's next run is made
+    # (runs.services._detach_claimed). From then on it is no longer the job's waiting
+    # run: it runs beside the next one, and its outcome makes no next run.
+    detached = models.BooleanField(default=False)
     # The dead list: an operator marks a dead run handled (or requeues it).
     handled_at = models.DateTimeField(null=True, blank=True)
     handled_by = models.CharField(max_length=150, blank=True)
@@ -50,10 +54,11 @@ class Run(models.Model):
         db_table = "runs"
         constraints = [
             models.UniqueConstraint(fields=["job", "scheduled_for"], name="runs_one_run_per_time"),
-            # A job has at most one open run, backfills apart.
+            # A job has at most one open run, backfills and detached runs (overlap
+            # `allow`: runs in flight beside the next one) apart: its waiting run.
             models.UniqueConstraint(
                 fields=["job"],
-                condition=models.Q(status__in=["scheduled", "queued", "running"], is_backfill=False),
+                condition=models.Q(status__in=["scheduled", "queued", "running"], is_backfill=False, detached=False),
                 name="runs_one_open_run_per_job",
             ),
         ]
@@ -99,6 +104,13 @@ class Run(models.Model):
     @property
     def is_open(self) -> bool:
         return self.status in self.OPEN
+
+
+# The job's own open run, the one runs_one_open_run_per_job keeps to one: scheduled,
+# queued or running, not an extra run (a backfill, run-now, a requeued dead run) and not
+# detached (overlap `allow`: a run in flight beside it). An allow-job's detached runs
+# are its other open runs; every other job's open run is this one.
+JOBS_OPEN_RUN = models.Q(status__in=Run.OPEN, is_backfill=False, detached=False)
 
 
 class RunEvent(models.Model):

@@ -12,7 +12,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from django.conf import settings
@@ -27,7 +27,7 @@ from jobs.validators import check_resolved_target, target_key
 from runs import breakers, bulk, bulkhead, claims, delivery, events, notices, publishing
 from runs.claims import Claim
 from runs.delivery import CallResult
-from runs.models import Run
+from runs.models import JOBS_OPEN_RUN, Run
 from runs.signals import job_paused, run_dead
 
 logger = logging.getLogger("scheduler.runs")
@@ -167,7 +167,7 @@ def job_next_run(
         locked = jobs_lock([job.pk], nowait=nowait).get(job.pk)
         if locked is None:
             return None
-        existing = Run.objects.filter(job=locked, status__in=Run.OPEN, is_backfill=False).first()
+        existing = Run.objects.filter(JOBS_OPEN_RUN, job=locked).first()
         if existing is not None:
             return existing
         created, found = job_next_runs(jobs=[locked], now=now, since=since, reason=reason)
@@ -182,6 +182,7 @@ def job_next_runs(
     since: datetime | None = None,
     reason: str = "",
     in_flight: dict[int, Flight] | None = None,
+    claimed: dict[int, datetime] | None = None,
 ) -> tuple[dict[int, Run], list[events.Event]]:
     """The next normal run of each job, for jobs that have none open (a run of
     theirs has just ended, or the waiting one was cancelled by an edit).
@@ -200,6 +201,11 @@ def job_next_runs(
     run and when it was first claimed (its `started_at`). The times that passed
     from then to `now` passed while the run was in flight: they are the job's
     overlap policy's (_overlap_plan), not the misfire policy's.
+
+    `claimed` (the claim of an overlap-`allow` job's run only, _detach_claimed): the
+    `scheduled_for` of the job's run claimed just now, counted as the job's latest
+    time (it has not ended, so it is not COUNTED yet): the next run is the job's next
+    time after it.
     """
     live = [job for job in jobs if job.state != Job.State.DELETED]
     done = _one_offs_done([job for job in live if not job.is_recurring])
@@ -208,6 +214,8 @@ def job_next_runs(
     if not live:
         return {}, []
     latest = _latest_counted([job.pk for job in live if job.is_recurring])
+    for pk, t in (claimed or {}).items():  # overlap allow: the run claimed just now counts
+        latest[pk] = max(t, latest.get(pk, t))
     plans = {job.pk: job_next_run_plan(job, latest=latest.get(job.pk), since=since, now=now) for job in live}
     ended = {pk for pk, plan in plans.items() if plan.time is None}  # past ends_at
     _complete(ended, now)
@@ -226,6 +234,7 @@ def job_next_runs(
             continue
         plan = _overlap_plan(job, first=when, since=since, now=now)
         skipped += _skip_overlapped(job, plan, flight, now)
+        skipped += excluded_times_skip([(job, found) for found in plan.excluded], now)
         if plan.next_time is None:  # the times that passed in flight were its last (ends_at)
             ended_in_flight.add(job.pk)
             continue
@@ -327,6 +336,9 @@ class OverlapPlan:
     buffered: bool  # buffer_one: next_time has passed, and is due now
     skipped: list[datetime]  # the latest passed times that get a `skipped` row, oldest first
     count: int  # how many passed times are skipped in all (`skipped` may hold fewer)
+    # The steps from one time to the next that passed over excluded times (each of
+    # those gets its `skipped` row, reason `excluded`: excluded_times_skip).
+    excluded: list[schedule.NextTime] = field(default_factory=list)
 
 
 def _overlap_plan(job: Job, *, first: datetime, since: datetime | None, now: datetime) -> OverlapPlan:
@@ -335,17 +347,26 @@ def _overlap_plan(job: Job, *, first: datetime, since: datetime | None, now: dat
     keep = max(settings.SCHEDULER_MISFIRE_MAX_SKIPPED, 0)
     passed: deque[datetime] = deque(maxlen=keep + 1)
     count, when = 0, first
+    excluded: list[schedule.NextTime] = []
+
+    def step(after: datetime) -> datetime | None:
+        found = job_next_run_plan(job, latest=after, since=since, now=now)
+        if found.excluded:
+            excluded.append(found)
+        return found.time
+
     while when is not None and when <= now and count < MAX_OVERLAP_TIMES:
         passed.append(when)
         count += 1
-        when = job_next_run_time(job, latest=when, since=since, now=now)
+        when = step(when)
     if when is not None and when <= now:  # looked at enough: go on from now
-        when = job_next_run_time(job, latest=now, since=since, now=now)
+        when = step(now)
     if job.overlap == Job.Overlap.BUFFER_ONE:
         latest = passed.pop()
         return OverlapPlan(next_time=latest, buffered=True, skipped=list(passed)[-keep:] if keep else [],
-                           count=count - 1)
-    return OverlapPlan(next_time=when, buffered=False, skipped=list(passed)[-keep:] if keep else [], count=count)
+                           count=count - 1, excluded=excluded)
+    return OverlapPlan(next_time=when, buffered=False, skipped=list(passed)[-keep:] if keep else [], count=count,
+                       excluded=excluded)
 
 
 def _skip_overlapped(job: Job, plan: OverlapPlan, flight: Flight, now: datetime) -> list[events.Event]:
@@ -415,7 +436,7 @@ def _place_after_clash(job: Job, row: Run, now: datetime) -> Run | None:
         if when is None:  # no time left: past ends_at
             _complete({job.pk}, now)
             return None
-        existing = Run.objects.filter(job=job, status__in=Run.OPEN, is_backfill=False).first()
+        existing = Run.objects.filter(JOBS_OPEN_RUN, job=job).first()
         if existing is not None:
             return None  # made meanwhile, by a path that holds no lock on the job: it stands
         earlier = Run.objects.select_for_update().filter(job=job, scheduled_for=when).first()
@@ -619,16 +640,29 @@ class Call:
     result: CallResult | None = None
 
 
-def _claim_and_call(
-    runs: list[Run], worker: str, lease: timedelta, gates: dict[int, Gate], outcomes: dict[int, str]
-) -> None:
+def run_claim_many(*, runs: list[Run], worker: str, lease: timedelta) -> list[Claim]:
+    """The claim step of the run path, one transaction: the batch's runs claimed in one
+    statement (claims.claim_many: a run someone else holds is not returned), their
+    `claimed` events, and, for an overlap-allow job's run, its job's next run
+    (_detach_claimed). `runs` carry their job (select_related), read before the claim."""
     with transaction.atomic():
         now = claims.store_now()
+        # Overlap allow: those jobs are locked before any run row (the order an edit takes).
+        allow_jobs = jobs_lock(r.job_id for r in runs if _may_detach(r, r.job))
         taken = claims.claim_many(run_ids=[r.pk for r in runs], worker=worker, lease=lease)
         events.record_many(
             (events.event(c.run_id, "claimed", now, fence=c.fence, worker=worker, attempt=c.attempt) for c in taken),
             runs={r.pk: r for r in runs},  # as read before the claim: a first start has no started_at yet
         )
+        runs_by_id = {r.pk: r for r in runs}
+        _detach_claimed([(runs_by_id[c.run_id], c) for c in taken], allow_jobs, now)
+    return taken
+
+
+def _claim_and_call(
+    runs: list[Run], worker: str, lease: timedelta, gates: dict[int, Gate], outcomes: dict[int, str]
+) -> None:
+    taken = run_claim_many(runs=runs, worker=worker, lease=lease)
     by_id = {c.run_id: c for c in taken}
     calls = []
     for run in runs:
@@ -648,6 +682,85 @@ def _claim_and_call(
         gates[call.run.pk].called = True
     _tell_breakers(to_call + failed_early, gates)
     outcomes.update(run_record_outcomes(calls))
+
+
+# ------------------------------------------------------------------ overlap allow
+#
+# An allow-job's run, when it is claimed, stops being the job's waiting run: it is
+# marked `detached` (runs_one_open_run_per_job leaves it out) and the job's next run is
+# made at once, by the one next-run decision (job_next_runs, the claimed run's time
+# counted as the latest), in the claim's transaction and under the job's lock. So the
+# job always has exactly one waiting run, and any number of runs in flight beside it.
+# A detached run's outcome (its retries, dead list, pause_after_failures) is any run's,
+# but makes no next run: it was made at the claim. See docs/architecture.md.
+
+
+def _may_detach(run: Run, job: Job | None) -> bool:
+    """Whether this claimed run of `job` (as it is: locked) is detached at its claim."""
+    return (
+        job is not None
+        and job.overlap == Job.Overlap.ALLOW
+        and job.is_recurring  # a one-off has one run: nothing runs beside it
+        and job.state != Job.State.DELETED
+        and not run.is_backfill
+        and not run.detached  # a retry, or a re-claim after a lost lease: still that run
+    )
+
+
+def _detach_claimed(claimed: list[tuple[Run, Claim]], jobs: dict[int, Job], now: datetime) -> None:
+    """Overlap allow, at the claim: each claimed run whose job (`jobs`: locked by this
+    transaction, read under the lock) is an allow-job is detached and its job's next
+    run made. Together under a savepoint; if that fails, each run alone: one run's
+    failure costs that run only. Such a run stays its job's waiting run (`detach_failed`
+    on its timeline) and its outcome makes the next run, as under `skip`."""
+    todo = [(run, claim) for run, claim in claimed if _may_detach(run, jobs.get(run.job_id))]
+    if not todo:
+        return
+    try:
+        with transaction.atomic():
+            _detach(todo, jobs, now)
+        return
+    except _STORE_TROUBLE:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a batch statement is a speed-up, not a unit of failure
+        if len(todo) == 1:
+            _detach_failed(*todo[0], exc, now)
+            return
+        logger.warning("detaching %d claimed runs together failed; one by one", len(todo), exc_info=True)
+    for run, claim in todo:
+        try:
+            with transaction.atomic():
+                _detach([(run, claim)], jobs, now)
+        except _STORE_TROUBLE:
+            raise
+        except Exception as exc:  # noqa: BLE001 - this run's only
+            _detach_failed(run, claim, exc, now)
+
+
+def _detach_failed(run: Run, claim: Claim, exc: Exception, now: datetime) -> None:
+    run.detached = False
+    why = f"{type(exc).__name__}: {exc}"[:1000]
+    logger.error("run %s: could not make its job's next run at the claim (%s); made at its outcome", run.public_id,
+                 why, exc_info=exc)
+    events.record(run.pk, "detach_failed", now, fence=claim.fence, reason=why)
+
+
+def _detach(todo: list[tuple[Run, Claim]], jobs: dict[int, Job], now: datetime) -> None:
+    detached = [run for run, claim in todo if claims.detach(run_id=run.pk, fence=claim.fence)]
+    if not detached:
+        return
+    latest: dict[int, datetime] = {}
+    for run in detached:
+        latest[run.job_id] = max(run.scheduled_for, latest.get(run.job_id, run.scheduled_for))
+    created, found = job_next_runs(jobs=list({r.job_id: jobs[r.job_id] for r in detached}.values()), now=now,
+                                   claimed=latest)
+    for run in detached:
+        nxt = created.get(run.job_id)
+        then = {"next_run": nxt.public_id, "next_scheduled_for": delivery.iso_z(nxt.scheduled_for)} if nxt else {}
+        found.append(events.event(run.pk, "detached", now, policy=Job.Overlap.ALLOW.value, **then))
+    events.record_many(found)
+    for run in detached:
+        run.detached = True
 
 
 def _prepare(calls: list[Call]) -> None:
@@ -887,7 +1000,8 @@ def _record_outcomes(calls: list[Call]) -> dict[int, str]:
             [c.run for c, o, _ in decided if c.run.pk in landed and o.status == S.SCHEDULED], now
         )
         ended = [c for c, o, _ in decided if c.run.pk in landed and o.status != S.SCHEDULED]
-        normal = [c for c in ended if not c.run.is_backfill]
+        # A detached run (overlap allow) made its job's next run when it was claimed.
+        normal = [c for c in ended if not c.run.is_backfill and not c.run.detached]
         in_flight = {
             c.run.job_id: Flight(c.run.pk, c.claim.started_at) for c in normal if c.claim.started_at is not None
         }
@@ -902,7 +1016,7 @@ def _record_outcomes(calls: list[Call]) -> dict[int, str]:
             run, claim = call.run, call.claim
             if call.result is not None:
                 found.append(_answered_event(run, claim, call.result, now))
-            nxt = new_runs.get(run.job_id) if not run.is_backfill else None
+            nxt = new_runs.get(run.job_id) if not run.is_backfill and not run.detached else None
             then = {"next_run": nxt.public_id, "next_scheduled_for": delivery.iso_z(nxt.scheduled_for)} if nxt else {}
             if run.pk not in landed:
                 # The lease was taken over: the store refuses this holder's outcome.

@@ -49,11 +49,17 @@ def test_overlap_and_pause_after_failures_are_kept_as_given(service: Service) ->
     assert (patched["overlap"], patched["pause_after_failures"]) == ("skip", 0)
 
 
+@time_machine.travel(FROZEN, tick=False)
+def test_overlap_allow_is_accepted_and_kept(service: Service) -> None:
+    job = create(service, overlap="allow")
+    assert job["overlap"] == "allow" and Job.objects.get().overlap == "allow"
+    assert job["next_run"]["status"] == "scheduled"
+
+
 @pytest.mark.parametrize(
     ("field", "value", "words"),
     [
-        ("overlap", "allow", "is not available yet"),
-        ("overlap", "sometimes", 'unknown overlap policy "sometimes"'),
+        ("overlap", "sometimes", 'unknown overlap policy "sometimes": use skip, buffer_one or allow'),
         ("pause_after_failures", -1, "greater than or equal to 0"),
         ("pause_after_failures", 1001, "less than or equal to 1000"),
         ("pause_after_failures", "often", "valid integer"),
@@ -123,6 +129,6 @@ def test_a_job_may_be_created_paused_until_a_time(service: Service) -> None:
 def test_the_openapi_schema_describes_the_lifecycle_fields(service: Service) -> None:
     schema = service.get("/api/schema/", format="json").json()
     job = schema["components"]["schemas"]["Job"]["properties"]
-    assert "buffer_one" in job["overlap"]["description"]
+    assert "buffer_one" in job["overlap"]["description"] and "allow (runs may overlap" in job["overlap"]["description"]
     assert "pauses itself" in job["pause_after_failures"]["description"]
     assert "resumes by itself" in job["paused_until"]["description"]

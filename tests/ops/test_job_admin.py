@@ -193,6 +193,7 @@ def test_the_edit_page_shows_and_saves_overlap_pause_after_failures_and_paused_u
     job = new_job(owner)
     page = operator_client.get(f"{LIST}{job.pk}/change/").content.decode()
     assert 'name="overlap"' in page and 'name="pause_after_failures"' in page and 'name="paused_until"' in page
+    assert '<option value="allow"' in page  # the admin offers every overlap policy
     response = operator_client.post(
         f"{LIST}{job.pk}/change/",
         form_data(operator_client, job, overlap="buffer_one", pause_after_failures="4", paused="on",

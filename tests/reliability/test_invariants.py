@@ -85,3 +85,17 @@ def test_a_dead_run_requeued_by_an_operator_goes_on_counting_attempts_with_a_hig
     # Counting again from 1 after a requeue would make X-Attempt go back: caught.
     restarted = [*steps[:4], ("claimed", {"fence": 2, "attempt": 1}), ("succeeded", {"fence": 2})]
     assert any("attempt 1 after attempt 1" in p for p in timeline_violations("succeeded", timeline(*restarted)))
+
+
+@pytest.mark.django_db
+def test_an_allow_jobs_runs_in_flight_beside_its_waiting_run_are_not_a_second_open_run() -> None:
+    from django.db import IntegrityError, transaction
+
+    job = make_job(overlap="allow")
+    for minutes in (2, 1):  # claimed, detached: in flight beside the waiting run
+        make_run(job, T0 - timedelta(minutes=minutes), status=Run.Status.RUNNING, detached=True, started_at=T0)
+    make_run(job, T0)
+    assert one_open_run_per_job() == []
+    # A second waiting run is still refused by the store (runs_one_open_run_per_job).
+    with pytest.raises(IntegrityError), transaction.atomic():
+        make_run(job, T0 + timedelta(minutes=1))

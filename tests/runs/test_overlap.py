@@ -13,8 +13,10 @@ on conditions with deadlines only.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
-from datetime import timedelta
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 from unittest import mock
 
@@ -25,9 +27,11 @@ from django.db import connection
 from django.test import override_settings
 
 from jobs.models import AuditEntry, Job
+from jobs.public_ids import parse_id
 from jobs.services import job_create, job_pause, job_resume, job_update
 from runs import claims, notices
-from runs.models import Run, RunEvent
+from runs.invariants import one_open_run_per_job
+from runs.models import JOBS_OPEN_RUN, Run, RunEvent
 from runs.services import run_execute
 from runs.signals import job_paused
 from scanners.scan import scan_once
@@ -87,7 +91,8 @@ def scan() -> Any:
 
 
 def waiting_run(job: Job) -> Run:
-    return Run.objects.get(job=job, status__in=Run.OPEN, is_backfill=False)
+    """The job's own open run (under overlap allow: the one not yet in flight)."""
+    return Run.objects.get(JOBS_OPEN_RUN, job=job)
 
 
 def run_held_call(target: HeldTarget, clock: Any, run: Run, *, lasts: int) -> str:
@@ -139,7 +144,7 @@ def test_under_skip_the_times_a_long_call_spans_are_skipped_and_the_next_run_is_
     service: Any, target: HeldTarget, clock: Any
 ) -> None:
     # A call of 3 min 20 s on an every-minute job: 20:31, 20:32 and 20:33 pass while it
-    # is in flight (the lead adds the every-10-seconds variant once `every` is merged).
+    # is in flight (the every-10-seconds variants, one per policy, are further down).
     job = make(service.user, target.url("/long"), overlap="skip")
     run = first_run_due(clock, job)
     assert run_held_call(target, clock, run, lasts=200) == "succeeded"
@@ -270,6 +275,316 @@ def test_overlap_skipped_rows_are_bounded_like_the_misfire_paths(
     ]
     [skipped] = RunEvent.objects.filter(run=rows[0], type="skipped")
     assert skipped.detail["passed_in_flight"] == 10
+
+
+# --------------------------------------------------------------------------- one long call, each policy
+#
+# Issue 20's done-when: "a 30 s call on an every-10 s job under each overlap policy
+# gives the runs and skipped rows the policy says", with the scanner scanning and the
+# workers claiming all along. The job is made through the API (`"every": "10s"`).
+
+STEP = 10  # seconds between the job's times
+
+
+def make_every_10s(service: Any, url: str, overlap: str) -> Job:
+    with override_settings(SCHEDULER_MIN_INTERVAL="10s"):
+        response = service.post("/api/jobs/", {"name": "every-10s", "every": "10s", "target": url,
+                                               "overlap": overlap, "retry": {"max": 0}, "timeout": "5s"})
+    assert response.status_code == 201, response.content
+    assert response.json()["overlap"] == overlap
+    return Job.objects.get(pk=parse_id("job", response.json()["id"]))
+
+
+class OneByOneTarget(LoopbackTarget):
+    """A loopback target that holds every call until the test lets that call answer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gates: list[threading.Event] = []
+        self.gates_lock = threading.Lock()
+
+    def _answer(self, path: str) -> tuple[int, float, dict[str, str]]:
+        gate = threading.Event()
+        with self.gates_lock:
+            self.gates.append(gate)
+        gate.wait(DEADLINE)
+        return super()._answer(path)
+
+    def held(self) -> int:
+        with self.gates_lock:
+            return len(self.gates)
+
+    def release_all(self) -> None:
+        with self.gates_lock:
+            for gate in self.gates:
+                gate.set()
+
+
+@pytest.fixture
+def held_target() -> Iterator[OneByOneTarget]:
+    server = OneByOneTarget().start()
+    yield server
+    server.release_all()
+    server.stop()
+
+
+def wait_for(condition: Any, what: str) -> None:
+    deadline = time.monotonic() + DEADLINE
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+class Workers:
+    """The worker's path (run_execute), each run on a thread of its own, its call held
+    by a OneByOneTarget until the test lets it answer."""
+
+    def __init__(self, target: OneByOneTarget) -> None:
+        self.target = target
+        self.threads: list[threading.Thread] = []
+        self.outcomes: dict[int, str] = {}
+
+    def start(self, run_id: int) -> int:
+        """A worker for the run, once its call has reached the target; returns its number
+        (the number of its call: one call at a time reaches the target here)."""
+        n = len(self.threads)
+
+        def work() -> None:
+            try:
+                self.outcomes[n] = run_execute(run_id=run_id, worker=f"w-{n}")
+            finally:
+                connection.close()
+
+        calls = self.target.held()
+        self.threads.append(threading.Thread(target=work))
+        self.threads[n].start()
+        wait_for(lambda: self.target.held() > calls or n in self.outcomes,
+                 f"run_{run_id}'s call to reach the target")
+        assert n not in self.outcomes, f"run_{run_id} ended before its call: {self.outcomes[n]}"
+        return n
+
+    def finish(self, n: int) -> str:
+        """Worker n's call answers; its outcome once it is written."""
+        self.target.gates[n].set()
+        self.threads[n].join(DEADLINE)
+        assert not self.threads[n].is_alive()
+        return self.outcomes[n]
+
+
+@dataclass
+class LongCall:
+    first: Run  # the run whose call lasts 3 * STEP
+    outcome: str
+    started: list[int]  # the runs claimed while it was in flight, the first included
+    in_flight: list[int]  # how many of the job's runs were running, after each scan
+    waiting: list[int]  # how many waiting runs the job had, after each scan
+
+
+def long_call(job: Job, target: OneByOneTarget, clock: Any) -> LongCall:
+    """The job's first run is claimed and its call held; the clock moves on STEP at a
+    time, each step a scan, and every run the scan queues goes to a worker of its own
+    (held too). At 3 * STEP the first call answers, then the others, in turn."""
+    workers = Workers(target)
+    first = first_run_due(clock, job)
+    workers.start(first.pk)
+    started, in_flight, waiting = [first.pk], [], []
+    for _ in range(3):
+        clock.shift(STEP)
+        for run_id in scan().queued:
+            workers.start(run_id)
+            started.append(run_id)
+        in_flight.append(Run.objects.filter(job=job, status=S.RUNNING).count())
+        waiting.append(Run.objects.filter(JOBS_OPEN_RUN, job=job).exclude(status=S.RUNNING).count())
+        assert one_open_run_per_job() == []
+    outcome = workers.finish(0)
+    for n in range(1, len(started)):
+        assert workers.finish(n) == "succeeded"
+    return LongCall(Run.objects.get(pk=first.pk), outcome, started, in_flight, waiting)
+
+
+def times_after(job: Job, run: Run) -> list[tuple[datetime, str]]:
+    return [(r.scheduled_for, r.status) for r in rows_after(job, run)]
+
+
+def overlap_rows(job: Job) -> int:
+    return Run.objects.filter(job=job, status=S.SKIPPED, last_error__startswith="passed while").count()
+
+
+@override_settings(SCHEDULER_MISFIRE_GRACE=10, SCHEDULER_BREAKER_FAILURES=10**6, SCHEDULER_LEASE_SECONDS=600)
+def test_a_30s_call_on_an_every_10s_job_under_skip_skips_the_three_times_it_spans(
+    service: Any, held_target: OneByOneTarget, clock: Any
+) -> None:
+    job = make_every_10s(service, held_target.url("/long"), "skip")
+    found = long_call(job, held_target, clock)
+    t = found.first.scheduled_for
+    assert found.outcome == "succeeded" and found.started == [found.first.pk]
+    assert found.in_flight == [1, 1, 1] and found.waiting == [0, 0, 0]  # nothing waits while it is in flight
+    step = timedelta(seconds=STEP)
+    assert times_after(job, found.first) == [
+        (t + step, S.SKIPPED), (t + 2 * step, S.SKIPPED), (t + 3 * step, S.SKIPPED), (t + 4 * step, S.SCHEDULED),
+    ]
+    assert overlap_rows(job) == 3
+    assert len(held_target.calls("/long")) == 1
+
+
+@override_settings(SCHEDULER_MISFIRE_GRACE=10, SCHEDULER_BREAKER_FAILURES=10**6, SCHEDULER_LEASE_SECONDS=600)
+def test_a_30s_call_on_an_every_10s_job_under_buffer_one_runs_the_latest_time_it_spans_at_its_end(
+    service: Any, held_target: OneByOneTarget, clock: Any
+) -> None:
+    job = make_every_10s(service, held_target.url("/long"), "buffer_one")
+    found = long_call(job, held_target, clock)
+    t = found.first.scheduled_for
+    step = timedelta(seconds=STEP)
+    assert found.outcome == "succeeded" and found.started == [found.first.pk]
+    assert found.in_flight == [1, 1, 1] and found.waiting == [0, 0, 0]
+    assert times_after(job, found.first) == [
+        (t + step, S.SKIPPED), (t + 2 * step, S.SKIPPED), (t + 3 * step, S.SCHEDULED),
+    ]
+    assert overlap_rows(job) == 2
+    buffered = waiting_run(job)
+    assert buffered.due_at == found.first.finished_at  # due at once, at the end of the call
+    assert scan().queued == [buffered.pk]
+
+
+@override_settings(SCHEDULER_MISFIRE_GRACE=10, SCHEDULER_BREAKER_FAILURES=10**6, SCHEDULER_LEASE_SECONDS=600)
+def test_a_30s_call_on_an_every_10s_job_under_allow_runs_every_time_beside_it_with_one_waiting_run(
+    service: Any, held_target: OneByOneTarget, clock: Any
+) -> None:
+    job = make_every_10s(service, held_target.url("/long"), "allow")
+    found = long_call(job, held_target, clock)
+    t = found.first.scheduled_for
+    step = timedelta(seconds=STEP)
+    assert found.outcome == "succeeded"
+    # Each time's run started at its time, beside the long call: four in flight at the end.
+    assert len(found.started) == 4
+    assert found.in_flight == [2, 3, 4] and found.waiting == [1, 1, 1]
+    assert times_after(job, found.first) == [
+        (t + step, S.SUCCEEDED), (t + 2 * step, S.SUCCEEDED), (t + 3 * step, S.SUCCEEDED),
+        (t + 4 * step, S.SCHEDULED),
+    ]
+    assert overlap_rows(job) == 0 and not Run.objects.filter(job=job, status=S.SKIPPED).exists()
+    assert len(held_target.calls("/long")) == 4
+    # Each claim made the next run (its `detached` event names it); no outcome made one.
+    runs = list(Run.objects.filter(job=job).order_by("scheduled_for"))
+    for ran, nxt in zip(runs, runs[1:]):
+        [detached] = RunEvent.objects.filter(run=ran, type="detached")
+        assert ran.detached and detached.detail["next_run"] == nxt.public_id
+        [done] = RunEvent.objects.filter(run=ran, type="succeeded")
+        assert "next_run" not in done.detail
+    assert not runs[-1].detached
+    assert scan().misfired == 0
+
+
+@override_settings(SCHEDULER_MISFIRE_GRACE=10, SCHEDULER_BREAKER_FAILURES=10**6, SCHEDULER_LEASE_SECONDS=600)
+def test_under_allow_the_api_next_run_is_the_waiting_run_not_one_in_flight(
+    service: Any, held_target: OneByOneTarget, clock: Any
+) -> None:
+    job = make(service.user, held_target.url("/long"), overlap="allow")
+    workers = Workers(held_target)
+    first = first_run_due(clock, job)
+    workers.start(first.pk)
+    body = service.client.get(f"/api/jobs/{job.public_id}/").json()
+    nxt = waiting_run(job)
+    assert nxt.scheduled_for == first.scheduled_for + timedelta(minutes=1)
+    assert body["next_run"]["id"] == nxt.public_id and body["next_run"]["status"] == "scheduled"
+    assert workers.finish(0) == "succeeded"
+
+
+@override_settings(SCHEDULER_MISFIRE_GRACE=10, SCHEDULER_BREAKER_FAILURES=10**6, SCHEDULER_LEASE_SECONDS=600)
+def test_under_allow_a_detached_runs_retry_stays_detached_and_makes_no_second_waiting_run(
+    service: Any, target: HeldTarget, clock: Any
+) -> None:
+    job = make(service.user, target.url("/flaky"), overlap="allow", retry_max=1, retry_base_seconds=1,
+               retry_cap_seconds=1)
+    target.script("/flaky", [500, 200])
+    run = first_run_due(clock, job)
+    assert run_execute(run_id=run.pk, worker="w1") == "retry_scheduled"
+    nxt = waiting_run(job)
+    assert nxt.scheduled_for == run.scheduled_for + timedelta(minutes=1)
+    run.refresh_from_db()
+    assert run.detached and run.status == S.SCHEDULED
+    clock.move_to(run.due_at + timedelta(seconds=1))
+    assert run.pk in scan().queued
+    assert run_execute(run_id=run.pk, worker="w1") == "succeeded"
+    assert waiting_run(job).pk == nxt.pk  # still the one the first claim made
+    assert RunEvent.objects.filter(run=run, type="detached").count() == 1
+    assert one_open_run_per_job() == []
+
+
+@override_settings(SCHEDULER_MISFIRE_GRACE=10, SCHEDULER_BREAKER_FAILURES=10**6, SCHEDULER_LEASE_SECONDS=600)
+def test_under_allow_a_detached_run_whose_lease_ran_out_is_recovered_and_claimed_again(
+    service: Any, held_target: OneByOneTarget, clock: Any
+) -> None:
+    job = make(service.user, held_target.url("/lost"), overlap="allow", retry_max=1)
+    run = first_run_due(clock, job)
+    with override_settings(SCHEDULER_LEASE_SECONDS=30):
+        workers = Workers(held_target)
+        workers.start(run.pk)
+        nxt_before = waiting_run(job)
+        clock.shift(40)  # the lease ran out (the worker is as good as dead)
+        result = scan()
+        assert run.pk in result.lease_expired
+        assert Run.objects.get(pk=run.pk).detached  # recovered, and still not the waiting run
+        workers.start(run.pk)  # claimed again: still detached, no second next run
+        assert workers.finish(1) == "succeeded"
+        assert workers.finish(0) == "stale_write_rejected"
+    assert waiting_run(job).pk == nxt_before.pk
+    assert Run.objects.filter(job=job).count() == 2
+    assert one_open_run_per_job() == []
+
+
+@override_settings(SCHEDULER_MISFIRE_GRACE=10, SCHEDULER_BREAKER_FAILURES=10**6, SCHEDULER_LEASE_SECONDS=600)
+def test_under_allow_deleting_the_job_cancels_its_waiting_run_and_the_run_in_flight_finishes(
+    service: Any, held_target: OneByOneTarget, clock: Any
+) -> None:
+    from jobs.services import job_delete
+
+    job = make(service.user, held_target.url("/long"), overlap="allow")
+    workers = Workers(held_target)
+    run = first_run_due(clock, job)
+    workers.start(run.pk)
+    nxt = waiting_run(job)
+    job_delete(job=job)
+    assert workers.finish(0) == "succeeded"
+    assert Run.objects.get(pk=nxt.pk).status == S.CANCELLED
+    assert not Run.objects.filter(JOBS_OPEN_RUN, job=job).exists()
+
+
+@override_settings(SCHEDULER_MISFIRE_GRACE=10, SCHEDULER_BREAKER_FAILURES=10**6, SCHEDULER_LEASE_SECONDS=600)
+def test_under_allow_dead_detached_runs_still_pause_the_job_after_failures(
+    service: Any, target: HeldTarget, clock: Any
+) -> None:
+    job = make(service.user, target.url("/down"), overlap="allow", pause_after_failures=2)
+    target.script("/down", [500])
+    for _ in range(2):
+        run = first_run_due(clock, job)
+        assert run_execute(run_id=run.pk, worker="w1") == "dead"
+    job.refresh_from_db()
+    assert job.paused
+    assert waiting_run(job).held
+
+
+@override_settings(SCHEDULER_MISFIRE_GRACE=10, SCHEDULER_BREAKER_FAILURES=10**6, SCHEDULER_LEASE_SECONDS=600)
+def test_under_allow_a_claim_whose_next_run_cannot_be_made_costs_that_run_only(
+    service: Any, target: HeldTarget, clock: Any
+) -> None:
+    from runs.services import run_execute_many
+
+    broken = make(service.user, target.url("/a"), overlap="allow")
+    fine = make(service.user, target.url("/b"), overlap="allow")
+    runs = [waiting_run(broken), waiting_run(fine)]
+    clock.move_to(max(r.due_at for r in runs))
+    assert set(scan().queued) == {r.pk for r in runs}
+    Job.objects.filter(pk=broken.pk).update(schedule="not a cron")  # its next time cannot be worked out
+    outcomes = run_execute_many(run_ids=[r.pk for r in runs], worker="w1")
+    assert outcomes[runs[1].pk] == "succeeded"
+    assert Run.objects.get(pk=runs[1].pk).detached and waiting_run(fine).scheduled_for > runs[1].scheduled_for
+    # The broken job's run was called all the same, stays its job's own run, and says why.
+    stuck = Run.objects.get(pk=runs[0].pk)
+    assert not stuck.detached and len(target.calls("/a")) == 1
+    [failed] = RunEvent.objects.filter(run=stuck, type="detach_failed")
+    assert failed.detail["reason"]  # the exception, in words
+    assert one_open_run_per_job() == []
 
 
 # --------------------------------------------------------------------------- pause_after_failures

@@ -46,7 +46,8 @@ import pytest
 import time_machine
 from unittest import mock
 from django.conf import settings as django_settings
-from django.db import connection, transaction
+from django.db import connection
+from django.db.models import Max
 from django.test import override_settings
 from django.utils import timezone
 from hypothesis import HealthCheck, event, settings, strategies as st
@@ -75,10 +76,10 @@ from jobs.services import (
     backfill_plan,
     service_account_ensure,
 )
-from runs import claims, events
+from runs import claims
 from runs import services as run_services
-from runs.models import Run, RunEvent
-from runs.services import Call, lease_length, run_execute_many, run_record_outcomes
+from runs.models import JOBS_OPEN_RUN, Run, RunEvent
+from runs.services import Call, lease_length, run_claim_many, run_execute_many, run_record_outcomes
 from scanners.scan import scan_once
 from tests.factories import utc
 from tests.target import LoopbackTarget
@@ -98,7 +99,7 @@ EVERY_SECONDS = [120, 300, 3600, 420]
 def _dates(days: list[str] | tuple[str, ...]) -> frozenset[date]:
     return frozenset(date.fromisoformat(d) for d in days)
 MISFIRES = ["skip", "run_once", "run_all"]
-OVERLAPS = ["skip", "buffer_one"]
+OVERLAPS = ["skip", "buffer_one", "allow"]
 IN_FLIGHT = "passed while the job's run was in flight"  # the start of an overlap row's last_error
 ANSWERS = {"ok": (200, 0.0), "fail": (500, 0.0), "hang": (200, 1.3)}  # hang: past the 1 s timeout
 OUTCOME_EVENTS = ("succeeded", "dead", "retry_scheduled")
@@ -187,25 +188,33 @@ class ModelJob:
     paused: bool = False
     deleted: bool = False
     carried: set[int] = field(default_factory=set)  # runs in flight at an edit: the old timing's
-    # (from when, policy): the overlap policy in force for outcomes written after `from when`.
-    overlaps: list[tuple[datetime, str]] = field(default_factory=list)
+    # (mark, policy): the overlap policy in force for outcomes whose event id is above
+    # `mark`, the highest event id when it was set (event ids, not times: the clock is
+    # frozen, and an edit and an outcome at one instant come in the order they ran).
+    overlaps: list[tuple[int, str]] = field(default_factory=list)
     pause_after_failures: int = 0
-    dead_in_a_row: int = 0  # its normal runs that ended dead since the last success
+    # Its normal runs that ran (succeeded or dead), as (scheduled_for, outcome): under
+    # overlap allow they end in any order, and pause_after_failures counts the latest
+    # by time (for every other policy one run is in flight at a time: the same order).
+    ran: list[tuple[datetime, str]] = field(default_factory=list)
     paused_itself: int = 0  # times it paused itself (each with an audit entry)
     paused_until: datetime | None = None
     resumed_itself: int = 0  # times the scanner resumed it at its paused_until
 
-    def overlap_at(self, t: datetime) -> str:
-        return [policy for since, policy in self.overlaps if since <= t][-1]
+    def overlap_at(self, event_id: int) -> str:
+        return [policy for mark, policy in self.overlaps if mark < event_id][-1]
 
-    def ended(self, outcome: str) -> None:
-        """A normal run of the job ended (its outcome landed): pause_after_failures."""
-        if outcome == "succeeded":
-            self.dead_in_a_row = 0
-        elif outcome == "dead":
-            self.dead_in_a_row += 1
+    def ended(self, outcome: str, scheduled_for: datetime) -> None:
+        """A normal run of the job ended (its outcome landed): pause_after_failures, after
+        a dead one, when the job's latest `limit` runs that ran (by time) all ended dead."""
+        if outcome not in ("succeeded", "dead"):
+            return
+        self.ran.append((scheduled_for, outcome))
+        if outcome == "dead":
             limit = self.pause_after_failures
-            if limit and self.dead_in_a_row >= limit and not (self.paused or self.deleted) and self.current.cron:
+            latest = [o for _, o in sorted(self.ran)[-limit:]] if limit else []
+            if limit and len(latest) == limit and set(latest) == {"dead"} and not (self.paused or self.deleted) \
+                    and not self.current.one_off:  # a recurring job: cron or every
                 self.paused = True
                 self.paused_itself += 1
                 note("a job paused itself")
@@ -297,7 +306,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         return self.target.url(f"/job-{key}{'-b' if other else ''}")
 
     def open_normal_run(self, key: int) -> Run | None:
-        return Run.objects.filter(job_id=key, status__in=Run.OPEN, is_backfill=False).first()
+        """The job's own open run (JOBS_OPEN_RUN): under overlap allow, not one in flight."""
+        return Run.objects.filter(JOBS_OPEN_RUN, job_id=key).first()
 
     # ---------------------------------------------------------------- user actions
 
@@ -344,7 +354,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         seg = Segment(start=now, cron=job.schedule, zone=zone, run_at=job.run_at, every=job.every_seconds or 0,
                       anchor=job.created_at.replace(microsecond=0), exclude=_dates(job.exclude))
         self.model[job.pk] = ModelJob(pk=job.pk, misfire=misfire, window=window, segments=[seg],
-                                      overlaps=[(now, overlap)], pause_after_failures=failures)
+                                      overlaps=[(0, overlap)], pause_after_failures=failures)
         return job.pk
 
     @rule(job=jobs, kind=st.sampled_from(["cron", "cron", "at", "zone"]), cron=st.sampled_from(EDITED_SCHEDULES),
@@ -384,6 +394,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             exclude=_dates(fields["exclude"]) if "exclude" in fields else before.exclude,
         )
         waiting = self.open_normal_run(mj.pk)
+        # Overlap allow: the runs in flight beside the waiting one keep the old timing too.
+        beside = set(Run.objects.filter(job_id=mj.pk, detached=True, status__in=Run.OPEN).values_list("pk", flat=True))
         try:
             job_update(job=self.job(mj.pk), fields=fields, now=now)
         except ValueError as exc:
@@ -395,6 +407,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             before.cron, before.zone, before.run_at, before.every, before.exclude
         ):
             mj.segments.append(new)
+            mj.carried |= beside
             if waiting is not None and (waiting.status != S.SCHEDULED or waiting.attempt > 0):
                 mj.carried.add(waiting.pk)  # on its way: it keeps the old timing
 
@@ -407,7 +420,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         except ValueError:
             assert mj.deleted, "an edit of a live job was refused"
             return
-        mj.overlaps.append((now, overlap))
+        mj.overlaps.append((RunEvent.objects.aggregate(m=Max("id"))["m"] or 0, overlap))
         mj.pause_after_failures = failures
 
     @rule(job=jobs)
@@ -522,28 +535,25 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.target.answer = ANSWERS[answer]
         # Batches as the scanner publishes them: at most a host's bulkhead of runs each.
         size = max(1, min(django_settings.SCHEDULER_DISPATCH_BATCH, django_settings.SCHEDULER_TARGET_CONCURRENCY))
-        normal = dict(Run.objects.filter(pk__in=ids, is_backfill=False).values_list("pk", "job_id"))
+        normal = {pk: (job_id, t) for pk, job_id, t in
+                  Run.objects.filter(pk__in=ids, is_backfill=False).values_list("pk", "job_id", "scheduled_for")}
         for start in range(0, len(ids), size):
             outcomes = run_execute_many(run_ids=ids[start : start + size], worker="batch-worker")
             assert set(outcomes.values()) <= WORKER_OUTCOMES, outcomes
             for run_id, outcome in outcomes.items():
                 if run_id in normal:
-                    self.model[normal[run_id]].ended(outcome)
+                    self.model[normal[run_id][0]].ended(outcome, normal[run_id][1])
 
     @rule(many=st.booleans())
     def claim(self, many: bool) -> None:
         """A worker claims (as run_execute_many does) and is slow: its call comes later."""
         runs = self.claimable()
         runs = runs if many else runs[:1]
-        now = self.now()
         if not runs:
             return
         worker = f"slow-{len(self.in_flight)}"
-        with transaction.atomic():
-            taken = claims.claim_many(run_ids=[r.pk for r in runs], worker=worker, lease=lease_length())
-            events.record_many(
-                events.event(c.run_id, "claimed", now, fence=c.fence, worker=worker, attempt=c.attempt) for c in taken
-            )
+        # The run path's claim step (under overlap allow it also makes the job's next run).
+        taken = run_claim_many(runs=runs, worker=worker, lease=lease_length())
         assert {c.run_id for c in taken} == {r.pk for r in runs}, "a claimable run could not be claimed"
         by_id = {c.run_id: c for c in taken}
         for run in runs:
@@ -583,7 +593,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         [outcome] = run_record_outcomes([call]).values()
         assert (outcome == "stale_write_rejected") == stale, (outcome, stale)
         if not call.run.is_backfill:
-            self.model[flight.job_key].ended(outcome)
+            self.model[flight.job_key].ended(outcome, call.run.scheduled_for)
 
     # ---------------------------------------------------------------- invariants
 
@@ -625,9 +635,13 @@ def check_state(mj: ModelJob, job: Job, state: str) -> None:
 
 
 def check_one_open_run(mj: ModelJob, rows: list[Run], state: str, timeline: dict[int, list[RunEvent]]) -> None:
-    """A live job has exactly one open normal run; a deleted or completed one has none
-    waiting (a call in flight when it was deleted may finish, its lease recovered)."""
-    open_rows = [r for r in rows if r.status in Run.OPEN and not r.is_backfill]
+    """A live job has exactly one open normal run (JOBS_OPEN_RUN: under overlap allow,
+    any number of detached runs are in flight beside it); a deleted or completed one has
+    none waiting (a call in flight when it was deleted may finish, its lease recovered).
+    A detached run is one that was claimed."""
+    for run in rows:
+        assert not run.detached or run.started_at is not None, f"{describe([run])} detached but never claimed"
+    open_rows = [r for r in rows if r.status in Run.OPEN and not r.is_backfill and not r.detached]
     if state in (Job.State.ACTIVE, Job.State.PAUSED):
         assert len(open_rows) == 1, f"live job {mj.pk} has {len(open_rows)} open runs: {describe(open_rows)}"
     else:
@@ -776,7 +790,7 @@ def check_overlap(mj: ModelJob, rows: list[Run], timeline: dict[int, list[RunEve
             continue  # deleted, or a one-off: no next run
         nxt_at = datetime.fromisoformat(nxt.replace("Z", "+00:00"))
         latest = max(r.scheduled_for for r in skipped)
-        policy = mj.overlap_at(ended_at)
+        policy = mj.overlap_at(told[-1].id)
         note(f"overlap rows under {policy}")
         if policy == "skip" or nxt_at > ended_at:
             assert nxt_at > ended_at, f"job {mj.pk} (overlap skip): its next run {nxt} has passed at {ended_at}"
@@ -890,7 +904,8 @@ def replay(owner: Any, target: ChosenAnswerTarget, steps: list[tuple[str, dict[s
         machine.both_promises_hold()
         for name, args in steps:
             if name == "answer":
-                machine.answer_call(machine.in_flight[0], **args)
+                args = dict(args)
+                machine.answer_call(machine.in_flight[args.pop("flight", 0)], **args)
             else:
                 getattr(machine, name)(**args)
             machine.both_promises_hold()
@@ -936,7 +951,7 @@ def test_the_model_finds_no_runnable_next_run_after_a_delete_or_pause_during_the
 
 @pytest.mark.django_db(transaction=True)
 @override_settings(SCHEDULER_BREAKER_FAILURES=10**6, SCHEDULER_MISFIRE_GRACE=60, SCHEDULER_LEASE_SECONDS=60)
-@pytest.mark.parametrize("overlap", ["skip", "buffer_one"])
+@pytest.mark.parametrize("overlap", OVERLAPS)
 def test_the_model_checks_the_times_a_long_call_spans_under_each_overlap_policy(
     target: ChosenAnswerTarget, overlap: str
 ) -> None:
@@ -951,7 +966,28 @@ def test_the_model_checks_the_times_a_long_call_spans_under_each_overlap_policy(
         ("scan", {}),
         ("worker_batch", {"answer": "ok"}),
     ])
-    assert Run.objects.filter(last_error__startswith=IN_FLIGHT).count() == (12 if overlap == "skip" else 11)
+    expected = {"skip": 12, "buffer_one": 11, "allow": 0}[overlap]  # allow: nothing passes unrun
+    assert Run.objects.filter(last_error__startswith=IN_FLIGHT).count() == expected
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(SCHEDULER_BREAKER_FAILURES=10**6, SCHEDULER_MISFIRE_GRACE=60, SCHEDULER_LEASE_SECONDS=600)
+def test_the_model_follows_allow_runs_side_by_side_that_end_out_of_order(target: ChosenAnswerTarget) -> None:
+    """Overlap allow: two runs of one job claimed one after the other (each claim makes
+    the next run), the later one ends dead first, then the earlier one succeeds;
+    pause_after_failures 2 counts them by time, so a later dead run pauses the job."""
+    owner, _ = service_account_ensure(name="stateful", email="stateful@example.test")
+    replay(owner, target, [
+        ("first_job", {**FIRST_JOB, "overlap": "allow", "failures": 2, "retries": 0}),
+        ("claim", {"many": False}),
+        ("claim", {"many": False}),  # the clock on to the next run's time, a scan, its claim
+        ("answer", {"flight": 1, "answer": "fail"}),  # the later run ends dead first
+        ("answer", {"flight": 0, "answer": "ok"}),  # then the earlier one succeeds
+        ("worker_batch", {"answer": "fail"}),  # the next run ends dead: the latest two by time are dead
+    ])
+    assert Run.objects.filter(detached=True).count() == 3
+    assert Job.objects.get().paused
+    assert AuditEntry.objects.filter(actor="scheduler", action="paused").count() == 1
 
 
 @pytest.mark.django_db(transaction=True)
@@ -1001,3 +1037,51 @@ def test_the_model_finds_a_date_taken_out_of_exclude_runs_again(target: ChosenAn
         ("edit_exclude", {"job": 1, "exclude": ()}),
         ("worker_batch", {"answer": "ok"}),
     ])
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(SCHEDULER_BREAKER_FAILURES=10**6, SCHEDULER_MISFIRE_GRACE=60, SCHEDULER_LEASE_SECONDS=60)
+def test_the_model_finds_the_excluded_times_a_long_call_spans_skipped_as_excluded(target: ChosenAnswerTarget) -> None:
+    """Found by the model once allow was in it: a */5 job's call, claimed at 20:30, lasts
+    until 10-29 00:00 while 10-29 is excluded; the overlap plan passed over 10-29's times
+    without their `excluded` rows (now written by the outcome, as the next-run path does)."""
+    owner, _ = service_account_ensure(name="stateful", email="stateful@example.test")
+    replay(owner, target, [
+        ("first_job", FIRST_JOB),
+        ("create_job", {**FIRST_JOB, "exclude": ("2026-10-28",)}),
+        ("claim", {"many": False}),
+        ("edit_exclude", {"job": 1, "exclude": ("2026-10-29",)}),
+        ("worker_batch", {"answer": "ok"}),  # the clock to 10-29 00:00: the call's lease ran out, claimed again
+    ])
+    assert Run.objects.filter(job_id=1, last_error__startswith=run_services.EXCLUDED_PREFIX).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(SCHEDULER_BREAKER_FAILURES=10**6, SCHEDULER_MISFIRE_GRACE=60, SCHEDULER_LEASE_SECONDS=60)
+def test_the_model_reads_an_overlap_edit_at_the_instant_of_an_outcome_in_the_order_they_ran(
+    target: ChosenAnswerTarget,
+) -> None:
+    """Found by the model: an outcome under skip, then, at the same frozen instant, an
+    edit to buffer_one; the model took the edit's policy for the outcome (it compared
+    times; it now compares event ids)."""
+    owner, _ = service_account_ensure(name="stateful", email="stateful@example.test")
+    replay(owner, target, [
+        ("first_job", FIRST_JOB),
+        ("create_job", {**FIRST_JOB, "exclude": ("2026-10-28",)}),
+        ("claim", {"many": False}),
+        ("worker_batch", {"answer": "ok"}),
+        ("edit_lifecycle", {"job": 1, "overlap": "buffer_one", "failures": 0}),
+    ])
+    assert Run.objects.filter(job_id=1, last_error__startswith=IN_FLIGHT).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(SCHEDULER_BREAKER_FAILURES=10**6, SCHEDULER_MISFIRE_GRACE=60, SCHEDULER_LEASE_SECONDS=60)
+def test_the_model_knows_an_every_job_pauses_itself_after_failures(target: ChosenAnswerTarget) -> None:
+    """Found by the model: it paused only cron jobs itself, not `every` jobs."""
+    owner, _ = service_account_ensure(name="stateful", email="stateful@example.test")
+    replay(owner, target, [
+        ("first_job", {**FIRST_JOB, "kind": "every", "failures": 1, "retries": 0}),
+        ("worker_batch", {"answer": "fail"}),
+    ])
+    assert Job.objects.get().paused
