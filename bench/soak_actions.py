@@ -259,6 +259,7 @@ class UserActions:
             return {"error": "no live cron job"}
         now = utc(time.time())
         since = (now - timedelta(seconds=random.uniform(60, 300))).replace(second=0, microsecond=0)
+        since = max(since, job.created_at.replace(microsecond=0))  # a backfill reaches back to the job's creation
         try:
             plan = backfill_plan(job=job, since=since, until=now, now=now)
             made = job_backfill(job=job, times=plan.times, now=now)

@@ -390,14 +390,13 @@ class JobAdmin(admin.ModelAdmin):
     # Columns chosen to fit a 1366 px window: the next run in UTC with the job's zone under it.
     list_display = (
         "public_id",
-        "name",
+        "name_and_source",
         "state_badge",
         "owner",
         "schedule_in_words",
         "next_run",
         "last_outcome",
         "target_host",
-        "defined_in",
         "runs_link",
     )
     list_filter = ("state", "owner", TargetHostFilter, "paused", "misfire", "overlap", CodeOwnedFilter)
@@ -564,6 +563,13 @@ class JobAdmin(admin.ModelAdmin):
     @admin.display(description="defined in code", ordering="code_source")
     def defined_in(self, job: Job) -> str:
         return job.code_source or "-"
+
+    @admin.display(description="name", ordering="name")
+    def name_and_source(self, job: Job) -> str:
+        # A code-owned job says so under its name (one column fewer: the list fits 1366 px).
+        if not job.code_source:
+            return job.name
+        return format_html('{}<br><small class="code-source">defined in code: {}</small>', job.name, job.code_source)
 
     @admin.display(description="next five times")
     def next_times_preview(self, job: Job) -> str:

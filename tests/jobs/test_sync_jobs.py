@@ -317,7 +317,7 @@ def test_the_admin_shows_a_code_owned_job_read_only_and_refuses_its_change_form_
 
     listing = operator_client.get("/admin/jobs/job/", {"code": "yes"})
     assert job in listing.context["cl"].result_list
-    assert f'field-defined_in">{SOURCE}<' in listing.content.decode()
+    assert f'<small class="code-source">defined in code: {SOURCE}</small>' in listing.content.decode()
 
     shown = operator_client.get(page)
     assert shown.status_code == 200 and not shown.context["has_change_permission"]
