@@ -1,5 +1,5 @@
 """The README's commands, copied exactly: "Two commands" starts the quickstart (with
-`--port`, on a free port), and every step of "Try the API" gives what the README says."""
+`--port 8100`, or a free port when 8100 is taken), and every step of "Try the API" gives what the README says."""
 from __future__ import annotations
 
 import json
