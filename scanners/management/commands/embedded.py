@@ -130,8 +130,8 @@ class Command(BaseCommand):
         run_id = job["next_run"]["id"]
         made = "created" if answer.status_code == 201 else "scheduled again"
         self.stdout.write(f"Demo job {job['id']} {made}; its run {run_id} ({base}/api/runs/{run_id}/):")
-        # The same run, live in the admin (it redraws itself as the run moves).
-        self.stdout.write(f"  watch it in the admin: {base}/admin/runs/run/{run_id.removeprefix('run_')}/change/")
+        # The same run's admin page, live (it redraws itself as the run moves).
+        self.stdout.write(f"  {base}/admin/runs/run/{run_id.removeprefix('run_')}/change/")
         shown = 0
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
