@@ -65,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         layout.cleanup()
         harness.stop_zookeeper()
+        harness.shutil.rmtree(stats_dir, ignore_errors=True)
     summary = _summary(args, before, after, covered, first_due, window_end, server_log)
     print_table("idle", [(k, v) for k, v in summary.items() if not isinstance(v, (dict, list))])
     print("per process:", json.dumps(summary["per_process"]))

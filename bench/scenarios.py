@@ -196,6 +196,7 @@ def sustained(args: argparse.Namespace) -> int:
     finally:
         layout.cleanup()
         harness.stop_zookeeper()
+        harness.shutil.rmtree(stats_dir, ignore_errors=True)
 
 
 def spike(args: argparse.Namespace) -> int:
