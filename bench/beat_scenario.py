@@ -20,7 +20,7 @@ from bench import harness
 from bench.harness import Layout, print_table, wait_for, write_result
 
 UTC = timezone.utc
-PORT = 18083
+PORT = harness.target_port(2)  # BENCH_TARGET_PORT + 2
 BEAT_ENV = {"SCHEDULER_BENCH_BEAT": "1"}
 
 
@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     harness.reset_database()  # migrates django_celery_beat too (always installed)
     harness.reset_redis()
     harness.start_zookeeper()
-    env = harness.bench_env(SCHEDULER_SCAN_INTERVAL=args.scan_interval, SCHEDULER_TARGET_CONCURRENCY="100000", **BEAT_ENV)
+    env = harness.bench_env(**harness.scan_interval_env(args.scan_interval), SCHEDULER_TARGET_CONCURRENCY="100000", **BEAT_ENV)
     layout = Layout(env=env)
     legs = set(args.legs.split(","))
     try:

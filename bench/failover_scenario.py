@@ -13,7 +13,7 @@ from bench import harness
 from bench.harness import Layout, print_table, wait_for, write_result
 
 UTC = timezone.utc
-PORT = 18082
+PORT = harness.target_port(1)  # BENCH_TARGET_PORT + 1
 
 
 def run(args: argparse.Namespace) -> int:

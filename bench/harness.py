@@ -26,11 +26,24 @@ BENCH_DB = os.environ.get("BENCH_DB", "sched_bench")
 PG = os.environ.get("BENCH_PG", "postgres://postgres@127.0.0.1:5432")
 REDIS_DB = os.environ.get("BENCH_REDIS_DB", "8")
 ZK_PORT = int(os.environ.get("BENCH_ZK_PORT", "21812"))
+# The no-op targets listen on BENCH_TARGET_PORT and the next few ports (one per scenario),
+# so two benches with their own BENCH_TARGET_PORT can run side by side.
+TARGET_PORT_BASE = int(os.environ.get("BENCH_TARGET_PORT", "18081"))
+# Where write_result puts the JSON; bench/baseline.py points it at a scratch directory.
+RESULTS_DIR = Path(os.environ.get("BENCH_RESULTS_DIR") or ROOT / "bench" / "results")
 TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def target_port(offset: int) -> int:
+    """The port of a scenario's target: sustained and spike 0, failover 1, beat 2."""
+    return TARGET_PORT_BASE + offset
 
 
 def bench_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
+    # Only what a scenario sets on purpose: issue 17's figures are taken with the default
+    # scan interval, so one left in the shell must not leak into them.
+    env.pop("SCHEDULER_SCAN_INTERVAL", None)
     env.update(
         {
             "DATABASE_URL": f"{PG}/{BENCH_DB}",
@@ -44,6 +57,11 @@ def bench_env(**extra: str) -> dict[str, str]:
     )
     env.update(extra)
     return env
+
+
+def scan_interval_env(value: str | None) -> dict[str, str]:
+    """SCHEDULER_SCAN_INTERVAL only when the scenario was given --scan-interval."""
+    return {"SCHEDULER_SCAN_INTERVAL": value} if value else {}
 
 
 def setup_django(**extra: str) -> None:
@@ -225,13 +243,14 @@ class Layout:
         self.procs.append(proc)
         return proc
 
-    def scanner(self, name: str = "scanner-1") -> Proc:
-        return self.start("scanner", name, [PY, "manage.py", "scanner", "--identifier", name])
+    def scanner(self, name: str = "scanner-1", env: dict[str, str] | None = None) -> Proc:
+        return self.start("scanner", name, [PY, "manage.py", "scanner", "--identifier", name], env)
 
-    def worker(self, name: str = "worker-1", concurrency: int = 4, pool: str = "prefork", extra: list[str] | None = None) -> Proc:
+    def worker(self, name: str = "worker-1", concurrency: int = 4, pool: str = "prefork", extra: list[str] | None = None,
+               env: dict[str, str] | None = None) -> Proc:
         argv = [PY, "-m", "celery", "-A", "scheduler_project", "worker", "-l", "WARNING", "-c", str(concurrency),
                 "-P", pool, "-n", f"{name}@%h", "--without-heartbeat", "--without-gossip", "--without-mingle"]
-        return self.start("worker", name, argv + (extra or []))
+        return self.start("worker", name, argv + (extra or []), env)
 
     def target(self, port: int, delay_ms: float = 0.0) -> Proc:
         argv = [PY, str(ROOT / "bench" / "noop_target.py"), "--port", str(port), "--delay-ms", str(delay_ms),
@@ -291,10 +310,35 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
+def tree_commit() -> str:
+    """The commit of the code under test (bench/baseline.py exports a tree without .git)."""
+    if os.environ.get("BENCH_TREE_COMMIT"):
+        return os.environ["BENCH_TREE_COMMIT"]
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    if done.returncode:
+        return "unknown"
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=30).stdout.strip()
+    return done.stdout.strip() + ("+changes" if dirty else "")
+
+
+def load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
 def write_result(scenario: str, summary: dict[str, Any]) -> Path:
-    out = ROOT / "bench" / "results" / f"{scenario}.json"
+    """bench/results/<scenario>.json; a `baseline` already in the file (bench/baseline.py's) is kept."""
+    out = RESULTS_DIR / f"{scenario}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    summary = {"scenario": scenario, "machine": machine(), "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **summary}
+    summary = {"scenario": scenario, "machine": machine(), "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               "commit": tree_commit(), "load_average_at_end": load_average(), **summary}
+    if out.exists() and "baseline" not in summary:
+        try:
+            previous = json.loads(out.read_text())
+        except ValueError:
+            previous = {}
+        if isinstance(previous, dict) and "baseline" in previous:
+            summary["baseline"] = previous["baseline"]
     out.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     return out
 

@@ -77,14 +77,15 @@ def _celery_round_trips(count: int = 5000) -> float:
 
 def _target_rps() -> float:
     layout = Layout(env=harness.bench_env())
+    port = harness.target_port(8)  # BENCH_TARGET_PORT + 8 (18089)
     try:
-        layout.target(18089)
+        layout.target(port)
         if shutil.which("wrk"):
-            out = harness.sh("wrk", "-t2", "-c32", "-d10s", "http://127.0.0.1:18089/").stdout
+            out = harness.sh("wrk", "-t2", "-c32", "-d10s", f"http://127.0.0.1:{port}/").stdout
             return float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
         import urllib3  # the worker's own HTTP client (runs.delivery)
 
-        pool, count, started = urllib3.HTTPConnectionPool("127.0.0.1", 18089, maxsize=1), 0, time.time()
+        pool, count, started = urllib3.HTTPConnectionPool("127.0.0.1", port, maxsize=1), 0, time.time()
         while time.time() - started < 5:
             pool.request("GET", "/")
             count += 1

@@ -1,9 +1,11 @@
 """Benches on the production layout: `python bench/run.py SCENARIO [options]`.
 
-Scenarios: sustained, spike, scan, beat, failover, limits, ops. Each prints a table
+Scenarios: sustained, spike, scan, beat, failover, limits, ops, idle. Each prints a table
 and writes bench/results/<scenario>.json (with the machine it ran on).
 PostgreSQL and Redis must be up (scripts/test.sh leaves them so); the bench
-starts its own ZooKeeper on BENCH_ZK_PORT (21812) and its own target.
+starts its own ZooKeeper on BENCH_ZK_PORT (21812) and its own target on
+BENCH_TARGET_PORT (18081, and the next few ports for other scenarios).
+To run a scenario on an older commit's code: bench/baseline.py.
 """
 from __future__ import annotations
 
@@ -47,6 +49,14 @@ def main() -> int:
     p.add_argument("--lease", type=int, default=10)
 
     sub.add_parser("limits", help="the parts' ceilings on this box")
+
+    p = sub.add_parser("idle", help="100,000 jobs, none due soon: what two scanners cost doing nothing")
+    p.add_argument("--jobs", type=int, default=100_000)
+    p.add_argument("--minutes", type=float, default=5, help="the measured window")
+    p.add_argument("--scanners", type=int, default=2)
+    p.add_argument("--concurrency", type=int, default=2, help="the worker's children")
+    p.add_argument("--pool", default="prefork", choices=["prefork", "threads", "solo"])
+    p.add_argument("--out-name", default="idle", help="writes bench/results/<OUT_NAME>.json")
 
     p = sub.add_parser("ops", help="the dashboard, the system page and /metrics with 10^7 runs")
     p.add_argument("--runs", type=int, default=10_000_000, help="finished runs in the table")

@@ -12,7 +12,7 @@ from typing import Any
 from bench import harness
 from bench.harness import Layout, percentile, print_table, wait_for, write_result
 
-TARGET_PORT = 18081
+TARGET_PORT = harness.target_port(0)  # BENCH_TARGET_PORT (18081)
 # Loading 100,000 jobs (and spreading them over the window) and starting the
 # processes must be over before the due time, or the first seconds measure a late start.
 SPIKE_LEAD_S = 120
@@ -25,14 +25,15 @@ def add_layout_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=2, help="per worker (children for prefork)")
     parser.add_argument("--pool", default="prefork", choices=["prefork", "threads", "solo"])
     parser.add_argument("--scanners", type=int, default=1)
-    parser.add_argument("--scan-interval", default="0.2")
+    parser.add_argument("--scan-interval", default=None,
+                        help="SCHEDULER_SCAN_INTERVAL for the processes; not set (the default, 1 s) unless given")
     parser.add_argument("--batch", type=int, default=200, help="runs per run-queue message (SCHEDULER_DISPATCH_BATCH)")
     parser.add_argument("--calls", type=int, default=200, help="calls in flight per worker process (SCHEDULER_WORKER_CALLS)")
 
 
 def _layout(args: argparse.Namespace, stats_dir: Path, **extra: str) -> Layout:
     env = harness.bench_env(
-        SCHEDULER_SCAN_INTERVAL=args.scan_interval,
+        **harness.scan_interval_env(args.scan_interval),
         SCHEDULER_COUNT_STATEMENTS_DIR=str(stats_dir),
         SCHEDULER_TARGET_CONCURRENCY="100000",
         SCHEDULER_DISPATCH_BATCH=str(args.batch),
@@ -69,14 +70,61 @@ def _statements(stats_dir: Path) -> int:
     return total
 
 
-def _due_at_by_run(run_ids: list[int]) -> dict[int, datetime]:
+def _due_at_by_run(run_ids: list[int]) -> dict[int, tuple[datetime, int]]:
+    """(due_at, attempt) of each run, read once every call is in."""
     from runs.models import Run
 
-    due: dict[int, datetime] = {}
+    due: dict[int, tuple[datetime, int]] = {}
     for start in range(0, len(run_ids), 20_000):
-        chunk = run_ids[start : start + 20_000]
-        due.update(Run.objects.filter(pk__in=chunk).values_list("pk", "due_at"))
+        chunk = list(set(run_ids[start : start + 20_000]))
+        due.update((pk, (due_at, attempt)) for pk, due_at, attempt in
+                   Run.objects.filter(pk__in=chunk).values_list("pk", "due_at", "attempt"))
     return due
+
+
+def _start_lags(calls: list[tuple[float, int]], due: dict[int, tuple[datetime, int]]) -> tuple[list[float], int]:
+    """One lag per run: its first call's receipt minus its due_at, and how many runs were
+    called more than once. Those are left out: a retry moves due_at to the retry's time,
+    so the row no longer holds the due_at the first call answered to."""
+    first_call: dict[int, float] = {}
+    calls_per_run: dict[int, int] = {}
+    for at, rid in calls:
+        first_call[rid] = min(at, first_call.get(rid, at))
+        calls_per_run[rid] = calls_per_run.get(rid, 0) + 1
+    again = {rid for rid, n in calls_per_run.items() if n > 1 or due[rid][1] > 1}
+    lags = [at - due[rid][0].timestamp() for rid, at in first_call.items() if rid not in again]
+    return lags, len(again)
+
+
+def _lag_parts(first: datetime, end: datetime) -> dict[str, dict[str, float]]:
+    """Where the lag goes, from the run rows (the store's clock): due to queued (the scanner)
+    and queued to started (the queue and the claim), for the runs due in the window."""
+    from runs.models import Run
+
+    rows = Run.objects.filter(due_at__gte=first, due_at__lt=end).values_list("due_at", "queued_at", "started_at")
+    parts: dict[str, list[float]] = {"queued_after_due": [], "started_after_queued": []}
+    for due_at, queued_at, started_at in rows:
+        if queued_at is not None:
+            parts["queued_after_due"].append((queued_at - due_at).total_seconds())
+            if started_at is not None:
+                parts["started_after_queued"].append((started_at - queued_at).total_seconds())
+    return {
+        name: {"p50": round(percentile(v, 50), 4), "p99": round(percentile(v, 99), 4), "min": round(min(v), 4),
+               "max": round(max(v), 4), "runs": len(v)}
+        for name, v in parts.items() if v
+    }
+
+
+def _warn_early(lags: list[float], called_again: int) -> None:
+    """Issue 17: no run starts before its due_at. Loud, at the end, where it is seen."""
+    early = [lag for lag in lags if lag < 0]
+    if early:
+        bar = "!" * 78
+        print(f"\n{bar}\nWARNING: {len(early)} of {len(lags)} runs reached the target BEFORE their due_at "
+              f"(earliest {min(early) * 1000:.1f} ms early). A run must never start early.\n{bar}", flush=True)
+    if called_again:
+        print(f"\nWARNING: {called_again} runs were called more than once; they are left out of the lag figures.",
+              flush=True)
 
 
 def _stop_target(target: harness.Proc) -> None:
@@ -112,8 +160,8 @@ def sustained(args: argparse.Namespace) -> int:
         _stop_target(target)
         arrivals = [(at, rid) for at, rid in layout.arrivals(TARGET_PORT)]
         due = _due_at_by_run([rid for _, rid in arrivals])
-        in_window = [(at, rid) for at, rid in arrivals if rid in due and first <= due[rid] < end]
-        lags = [at - due[rid].timestamp() for at, rid in in_window]
+        in_window = [(at, rid) for at, rid in arrivals if rid in due and first <= due[rid][0] < end]
+        lags, called_again = _start_lags(in_window, due)
         started_in_time = sum(1 for at, _ in in_window if at < end.timestamp() + 2)
         seconds = (end - first).total_seconds()
         done = len(in_window)
@@ -128,17 +176,27 @@ def sustained(args: argparse.Namespace) -> int:
             "lag_p95_s": round(percentile(lags, 95), 3),
             "lag_p99_s": round(percentile(lags, 99), 3),
             "lag_max_s": round(max(lags), 3) if lags else None,
+            # Below 0 a run started before its due_at: the bench shouts (_warn_early).
+            "lag_min_s": round(min(lags), 4) if lags else None,
+            "lag_runs": len(lags),
+            "runs_started_early": sum(1 for lag in lags if lag < 0),
+            "runs_called_again": called_again,
+            "lag_measured": "per run: its first call's receipt at the target (time.time() in bench/noop_target.py) "
+                            "minus the run's due_at in the database, over every run due in the measured minutes",
+            "lag_parts_s": _lag_parts(first, end),
             "cpu_s_per_run": {k: round((cpu1[k] - cpu0.get(k, 0.0)) / max(1, started_in_time), 6) for k in cpu1},
             "statements_per_run": round((stmts1 - stmts0) / max(1, started_in_time), 2),
             "layout": _layout_summary(args),
         }
-        print_table("sustained", [(k, v) for k, v in summary.items() if not isinstance(v, dict)])
+        print_table("sustained", [(k, v) for k, v in summary.items() if not isinstance(v, dict) and k != "lag_measured"])
         print("cpu seconds per run:", summary["cpu_s_per_run"])
         print("written", write_result(args.out_name, summary))
+        _warn_early(lags, called_again)
         return 0
     finally:
         layout.cleanup()
         harness.stop_zookeeper()
+        harness.shutil.rmtree(stats_dir, ignore_errors=True)
 
 
 def spike(args: argparse.Namespace) -> int:
@@ -238,7 +296,7 @@ def _plot(series: list[int], name: str, title: str) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib not installed (pip install -r bench/requirements.txt)"
-    path = harness.ROOT / "bench" / "results" / name
+    path = harness.RESULTS_DIR / name
     fig, ax = plt.subplots(figsize=(9, 3.5))
     ax.plot(range(len(series)), series, linewidth=0.8)
     ax.set_xlabel("seconds after the due time")
@@ -248,7 +306,7 @@ def _plot(series: list[int], name: str, title: str) -> str:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    return str(path.relative_to(harness.ROOT))
+    return str(path.relative_to(harness.ROOT)) if path.is_relative_to(harness.ROOT) else str(path)
 
 
 def _count_open_due(before: datetime) -> int:
@@ -281,7 +339,8 @@ def _layout_summary(args: argparse.Namespace) -> dict[str, Any]:
         "concurrency": args.concurrency,
         "pool": args.pool,
         "scanners": args.scanners,
-        "scan_interval_s": float(args.scan_interval),
+        # None: SCHEDULER_SCAN_INTERVAL not set, the processes run on the default.
+        "scan_interval_s": float(args.scan_interval) if args.scan_interval else None,
         "dispatch_batch": args.batch,
         "calls_per_worker": args.calls,
     }
@@ -315,3 +374,9 @@ def limits(args: argparse.Namespace) -> int:
     from bench import limits_scenario
 
     return limits_scenario.run(args)
+
+
+def idle(args: argparse.Namespace) -> int:
+    from bench import idle_scenario
+
+    return idle_scenario.run(args)

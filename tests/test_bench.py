@@ -1,0 +1,80 @@
+"""The bench's own bookkeeping: per-run start lags, baselines kept across runs, and the
+statement counter the `idle` scenario starts its scanners under."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+from bench import baseline, harness, scenarios
+
+ROOT = Path(__file__).resolve().parents[1]
+DUE = datetime(2026, 12, 1, 12, 0, 0, tzinfo=timezone.utc)
+
+
+def test_a_run_s_lag_is_its_first_call_and_an_early_start_stays_negative() -> None:
+    t = DUE.timestamp()
+    calls = [(t + 0.030, 1), (t - 0.004, 2)]
+    lags, again = scenarios._start_lags(calls, {1: (DUE, 1), 2: (DUE, 1)})
+    assert sorted(round(x, 6) for x in lags) == [-0.004, 0.030]
+    assert again == 0
+
+
+def test_a_run_called_twice_is_left_out_of_the_lags_and_counted() -> None:
+    t = DUE.timestamp()
+    calls = [(t + 0.010, 1), (t + 5.0, 1), (t + 0.020, 2), (t + 0.015, 3)]
+    # Run 3 was retried: its row's due_at is the retry's now, not the first call's.
+    lags, again = scenarios._start_lags(calls, {1: (DUE, 1), 2: (DUE, 1), 3: (DUE, 2)})
+    assert [round(x, 6) for x in lags] == [0.020]
+    assert again == 2
+
+
+def test_rerunning_a_scenario_keeps_the_baseline_already_in_its_result(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(harness, "RESULTS_DIR", tmp_path)
+    (tmp_path / "idle.json").write_text(json.dumps({"statements_per_second": 9.0, "baseline": {"commit": "40a7cbc"}}))
+    harness.write_result("idle", {"statements_per_second": 0.5})
+    written = json.loads((tmp_path / "idle.json").read_text())
+    assert written["statements_per_second"] == 0.5
+    assert written["baseline"] == {"commit": "40a7cbc"}
+
+
+def test_a_baseline_goes_under_its_key_and_leaves_the_rest_of_the_result(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    results, scratch = tmp_path / "results", tmp_path / "scratch"
+    results.mkdir()
+    scratch.mkdir()
+    monkeypatch.setattr(baseline, "RESULTS", results)
+    (results / "idle.json").write_text(json.dumps({"statements_per_second": 0.5}))
+    (scratch / "idle.json").write_text(json.dumps({"statements_per_second": 31.0, "commit": "40a7cbc"}))
+    (scratch / "sustained-10.json").write_text(json.dumps({"lag_min_s": 0.01}))
+    baseline.merge_baselines(scratch)
+    idle = json.loads((results / "idle.json").read_text())
+    assert idle["statements_per_second"] == 0.5
+    assert idle["baseline"]["statements_per_second"] == 31.0
+    assert json.loads((results / "sustained-10.json").read_text())["baseline"]["lag_min_s"] == 0.01
+
+
+def _counted_statements(out: Path, selects: int) -> int:
+    code = f"from django.db import connection\nfor i in range({selects}): connection.cursor().execute('SELECT %s', [i])"
+    env = dict(os.environ)
+    env.pop("SCHEDULER_COUNT_STATEMENTS_DIR", None)
+    # Plain SELECTs need no tables: the server's own `postgres` database will do.
+    env["DATABASE_URL"] = urlsplit(env["DATABASE_URL"])._replace(path="/postgres").geturl()
+    subprocess.run([sys.executable, str(ROOT / "bench" / "counted.py"), "--out", str(out), "manage.py", "shell",
+                    "-c", code], cwd=ROOT, env=env, check=True, timeout=120, capture_output=True)
+    return sum(json.loads(p.read_text())["statements"] for p in out.glob("*.json"))
+
+
+def test_the_counter_counts_each_statement_a_command_sends(tmp_path: Path) -> None:
+    if not os.environ.get("DATABASE_URL"):
+        pytest.skip("counts statements sent to PostgreSQL")
+    one, four = _counted_statements(tmp_path / "one", 1), _counted_statements(tmp_path / "four", 4)
+    assert four - one == 3
+    assert one >= 1
