@@ -4,7 +4,7 @@ sleep, and the LISTEN connection that wakes it sooner.
 A scanner sleeps until the earliest work in its partitions comes due (less the
 look-ahead for due runs), at most SCHEDULER_SCAN_INTERVAL. Work written meanwhile
 that is due sooner wakes it: a trigger on runs, notices and jobs (the migrations
-runs 0011 and jobs 0013) sends `NOTIFY scheduler_due, '<partition>'` ('0' for a
+runs 0011) sends `NOTIFY scheduler_due, '<partition>'` ('0' for a
 notice, '*' for a resume time), and the `Listener` thread, LISTENing on a
 connection of its own, wakes the scanner owning that partition, which probes (one
 statement) and scans only if something is due. Notifications are hints: one lost
@@ -27,7 +27,7 @@ from scanners.scan import ScanResult, Work
 
 logger = logging.getLogger("scheduler.scanner")
 
-CHANNEL = "scheduler_due"  # the triggers' channel (runs 0011, jobs 0013)
+CHANNEL = "scheduler_due"  # the triggers' channel (migration runs 0011)
 # The triggers notify work due within this of the writing statement's clock; work
 # due later is found by a scanner's own wake, which is never further apart than
 # LONGEST_SLEEP. Half the horizon: a writing transaction may take up to the other
@@ -57,7 +57,7 @@ class Pacer:
     gap: float = field(init=False)
     _stuck: dict[str, datetime] = field(init=False, default_factory=dict)
     _scanned_at: datetime | None = field(init=False, default=None)
-    _unchecked: datetime | None = field(init=False, default=None)
+    _unchecked: Work | None = field(init=False, default=None)  # the probe before the last scan
     _full: bool = field(init=False, default=False)
     _notices_after: datetime | None = field(init=False, default=None)
 
@@ -84,13 +84,16 @@ class Pacer:
         there could not be done (the queue at SCHEDULER_MAX_QUEUED, rows another
         scanner holds, a resume that fails). That kind waits a scan interval, as it
         did when every scan was an interval apart, instead of being scanned for again
-        and again. A scan that filled a batch is not blocked: it goes straight on."""
-        scanned, self._unchecked = self._unchecked, None
-        if scanned is None or self._full:
+        and again. A scan that filled a batch is not blocked: it goes straight on.
+
+        A due run counts as left only if the earliest due_at is the one the scan
+        was for: a run written during the scan already due (run-now) is new work."""
+        before, self._unchecked = self._unchecked, None
+        if before is None or self._full:
             return
         for kind, t in self.times(work, lookahead=0).items():
-            if t <= scanned:
-                self._stuck[kind] = scanned + timedelta(seconds=self.interval)
+            if t <= before.now and (kind != "due" or work.due == before.due):
+                self._stuck[kind] = before.now + timedelta(seconds=self.interval)
 
     def scan_at(self, work: Work) -> datetime | None:
         """When a scan is next wanted, or None: nothing to do in these partitions."""
@@ -119,7 +122,7 @@ class Pacer:
 
     def scanned(self, work: Work, result: ScanResult) -> None:
         """A scan ran at work.now (the probe's clock, which the scan used)."""
-        self._scanned_at = self._unchecked = work.now
+        self._scanned_at, self._unchecked = work.now, work
         self._full = max(len(result.lease_expired), len(result.republished), len(result.resumed)) >= self.batch
 
     def notices_due(self, work: Work) -> bool:

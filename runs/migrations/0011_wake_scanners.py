@@ -1,4 +1,5 @@
-"""Triggers that wake the scanners (PostgreSQL only; scanners/wakeups.py listens).
+"""Triggers on runs, notices and jobs that wake the scanners (PostgreSQL only;
+scanners/wakeups.py listens).
 
 A run that becomes scheduled and not held, due within the notify horizon (the
 statement's clock plus 60 s, scanners.wakeups.NOTIFY_HORIZON), sends
@@ -6,6 +7,8 @@ statement's clock plus 60 s, scanners.wakeups.NOTIFY_HORIZON), sends
 after an outcome, a retry, run-now, a requeue or replay, a resume, a defer by the
 bulkhead or the breaker, an edit that brings it sooner. A pending notice due
 within the horizon sends '0' (the scanner of partition 0 publishes the sender).
+A paused job given a resume time within the horizon sends '*', every scanner:
+the trigger does not know SCHEDULER_PARTITIONS, and a bulk pause folds into one.
 
 Row triggers whose WHEN decides without calling the function, so a row that
 wakes nobody (a claim, a heartbeat, a run due next week) costs only the test.
@@ -17,6 +20,9 @@ from django.db import migrations
 HORIZON = "interval '60 seconds'"  # scanners.wakeups.NOTIFY_HORIZON
 RUN_WAKES = f"NEW.status = 'scheduled' AND NOT NEW.held AND NEW.due_at < statement_timestamp() + {HORIZON}"
 NOTICE_WAKES = f"NEW.status = 'pending' AND NEW.due_at < statement_timestamp() + {HORIZON}"
+RESUME_WAKES = (
+    f"NEW.paused AND NEW.paused_until IS NOT NULL AND NEW.paused_until < statement_timestamp() + {HORIZON}"
+)
 
 FORWARD = f"""
 CREATE FUNCTION scheduler_wake_partition() RETURNS trigger LANGUAGE plpgsql AS $$
@@ -28,6 +34,12 @@ END $$;
 CREATE FUNCTION scheduler_wake_notices() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     PERFORM pg_notify('scheduler_due', '0');
+    RETURN NULL;
+END $$;
+
+CREATE FUNCTION scheduler_wake_all() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_notify('scheduler_due', '*');
     RETURN NULL;
 END $$;
 
@@ -47,6 +59,14 @@ CREATE TRIGGER notices_wake_scanner_update AFTER UPDATE OF status, due_at ON not
     WHEN ({NOTICE_WAKES} AND (OLD.status <> 'pending' OR NEW.due_at < OLD.due_at))
     EXECUTE FUNCTION scheduler_wake_notices();
 
+CREATE TRIGGER jobs_wake_scanner_insert AFTER INSERT ON jobs FOR EACH ROW
+    WHEN ({RESUME_WAKES})
+    EXECUTE FUNCTION scheduler_wake_all();
+
+CREATE TRIGGER jobs_wake_scanner_update AFTER UPDATE OF paused, paused_until ON jobs FOR EACH ROW
+    WHEN ({RESUME_WAKES} AND (NOT OLD.paused OR OLD.paused_until IS NULL OR NEW.paused_until < OLD.paused_until))
+    EXECUTE FUNCTION scheduler_wake_all();
+
 """
 BACKWARD = """
 DROP TRIGGER IF EXISTS runs_wake_scanner_insert ON runs;
@@ -59,7 +79,13 @@ DROP TRIGGER IF EXISTS notices_wake_scanner_update ON notices;
 
 DROP FUNCTION IF EXISTS scheduler_wake_partition();
 
+DROP TRIGGER IF EXISTS jobs_wake_scanner_insert ON jobs;
+
+DROP TRIGGER IF EXISTS jobs_wake_scanner_update ON jobs;
+
 DROP FUNCTION IF EXISTS scheduler_wake_notices();
+
+DROP FUNCTION IF EXISTS scheduler_wake_all();
 
 """
 

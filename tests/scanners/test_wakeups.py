@@ -111,12 +111,16 @@ def test_a_scan_that_filled_a_batch_goes_straight_on() -> None:
     assert p.scan_due(more) and p.sleep(more) == 0.0
 
 
-def test_work_written_after_a_scan_is_not_taken_for_work_it_could_not_do() -> None:
+def test_work_written_during_a_scan_is_not_taken_for_work_it_could_not_do() -> None:
     p = pacer(interval=1.0)
     p.scanned(Work(now=T0), ScanResult(queued=[1]))
     later = Work(now=at(0.05), due=at(0.03))  # due after the scan: written meanwhile
     p.observe(later)
     assert p.scan_due(later)
+    p.scanned(Work(now=at(1), due=at(-3)), ScanResult())
+    run_now = Work(now=at(1.05), due=at(0.99))  # due before the scan, but not the run it was for
+    p.observe(run_now)
+    assert p.scan_due(run_now)
 
 
 def test_notices_are_published_at_once_then_at_most_every_notice_check() -> None:

@@ -64,17 +64,18 @@ class Command(BaseCommand):
         self.listener = None if once else Listener.for_scanner(leases.identifier, leases.wake)
         try:
             while not self.stopping.is_set():
-                probed = time.monotonic()
+                turn = time.monotonic()
                 sleep = self.handle_one(leases)
                 if once:
                     break
-                # Also after a scan (sleep 0): a wake already set is for work written
-                # before the probe that comes next, which sees it.
-                leases.wait(sleep - (time.monotonic() - probed))
-                if sleep > 0:
+                # Timed from after the probe, so a wake comes at the work's time or just
+                # after, never before it. Also after a scan (sleep 0): a wake already set
+                # is for work written before the probe that comes next, which sees it.
+                woken = leases.wait(sleep)
+                if woken and sleep > 0:
                     # Woken early, perhaps by a stream of notifications: probes at most
                     # a scan gap apart (a run written due at once waits that long at most).
-                    self.stopping.wait(self.pacer.gap - (time.monotonic() - probed))
+                    self.stopping.wait(self.pacer.gap - (time.monotonic() - turn))
         finally:
             if self.listener is not None:
                 self.listener.stop()
