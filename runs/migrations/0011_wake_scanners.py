@@ -10,10 +10,14 @@ within the horizon sends '0' (the scanner of partition 0 publishes the sender).
 A paused job given a resume time within the horizon sends '*', every scanner:
 the trigger does not know SCHEDULER_PARTITIONS, and a bulk pause folds into one.
 
-Row triggers whose WHEN decides without calling the function, so a row that
-wakes nobody (a claim, a heartbeat, a run due next week) costs only the test.
-The payload is the partition alone: PostgreSQL folds equal notifications of one
-transaction into one, so a bulk write sends one per partition, not one per row.
+An insert (a statement of new runs: the API's one, the worker's COPY of next
+runs, a bulk load) is one trigger call per statement over its rows (a transition
+table), one notification per partition among them. An update is a row trigger
+whose WHEN decides without calling the function, so a row that wakes nobody (a
+claim, a heartbeat, an outcome, a run due next week) costs only the test; the
+functions call pg_notify as a plain expression, not a query (no executor per
+row). PostgreSQL folds equal notifications of one transaction into one: a bulk
+write sends one per partition. bench/wake_cost.py measures what they cost.
 """
 from django.db import migrations
 
@@ -25,27 +29,41 @@ RESUME_WAKES = (
 )
 
 FORWARD = f"""
-CREATE FUNCTION scheduler_wake_partition() RETURNS trigger LANGUAGE plpgsql AS $$
+CREATE FUNCTION scheduler_wake_inserted() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-    PERFORM pg_notify('scheduler_due', NEW.partition::text);
+    PERFORM pg_notify('scheduler_due', p::text)
+       FROM (SELECT DISTINCT i.partition AS p FROM inserted AS i
+              WHERE {RUN_WAKES.replace("NEW.", "i.")}) AS woken;
+    RETURN NULL;
+END $$;
+
+CREATE FUNCTION scheduler_wake_partition() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    sent boolean;
+BEGIN
+    sent := pg_notify('scheduler_due', NEW.partition::text) IS NULL;  -- an expression: cheaper than PERFORM
     RETURN NULL;
 END $$;
 
 CREATE FUNCTION scheduler_wake_notices() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    sent boolean;
 BEGIN
-    PERFORM pg_notify('scheduler_due', '0');
+    sent := pg_notify('scheduler_due', '0') IS NULL;
     RETURN NULL;
 END $$;
 
 CREATE FUNCTION scheduler_wake_all() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    sent boolean;
 BEGIN
-    PERFORM pg_notify('scheduler_due', '*');
+    sent := pg_notify('scheduler_due', '*') IS NULL;
     RETURN NULL;
 END $$;
 
-CREATE TRIGGER runs_wake_scanner_insert AFTER INSERT ON runs FOR EACH ROW
-    WHEN ({RUN_WAKES})
-    EXECUTE FUNCTION scheduler_wake_partition();
+CREATE TRIGGER runs_wake_scanner_insert AFTER INSERT ON runs
+    REFERENCING NEW TABLE AS inserted FOR EACH STATEMENT
+    EXECUTE FUNCTION scheduler_wake_inserted();
 
 CREATE TRIGGER runs_wake_scanner_update AFTER UPDATE OF status, held, due_at ON runs FOR EACH ROW
     WHEN ({RUN_WAKES} AND (OLD.status <> 'scheduled' OR OLD.held OR NEW.due_at < OLD.due_at))
@@ -76,6 +94,8 @@ DROP TRIGGER IF EXISTS runs_wake_scanner_update ON runs;
 DROP TRIGGER IF EXISTS notices_wake_scanner_insert ON notices;
 
 DROP TRIGGER IF EXISTS notices_wake_scanner_update ON notices;
+
+DROP FUNCTION IF EXISTS scheduler_wake_inserted();
 
 DROP FUNCTION IF EXISTS scheduler_wake_partition();
 

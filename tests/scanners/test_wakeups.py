@@ -175,8 +175,8 @@ def fill(rows: int) -> None:
     with connection.cursor() as cursor:
         cursor.execute(fill_jobs, [owner.pk, rows])
         cursor.execute(fill_runs, [T0 + timedelta(days=7)])
-        cursor.execute("UPDATE runs SET status = 'queued', queued_at = due_at WHERE id %% 10 = 1")
-        cursor.execute("UPDATE runs SET status = 'running', lease_expires_at = due_at WHERE id %% 10 = 2")
+        cursor.execute("UPDATE runs SET status = 'queued', queued_at = due_at WHERE id %% 10 = %s", [1])
+        cursor.execute("UPDATE runs SET status = 'running', lease_expires_at = due_at WHERE id %% 10 = %s", [2])
         cursor.execute("UPDATE jobs SET paused = true, paused_until = %s WHERE id %% 10 = 3", [T0 + timedelta(days=8)])
         cursor.execute("INSERT INTO notices (job_id, kind, reason, created_at, status, due_at, tries, sent_to, "
                        "last_error) SELECT id, 'dead', '', now(), 'pending', %s, 0, '', '' FROM jobs WHERE id %% 10 = 4",
@@ -197,7 +197,9 @@ def test_each_part_of_the_probe_is_a_read_of_its_own_index_at_a_hundred_thousand
             assert index in plan, plan
         assert "Seq Scan" not in plan and "Sort" not in plan, plan
         work = next_work(parts, notices=True)
-        assert work.due == T0 + timedelta(days=7) and work.resume == T0 + timedelta(days=8)
+        scheduled = Run.objects.filter(partition__in=parts, status=S.SCHEDULED, held=False).order_by("due_at")
+        assert work.due == scheduled.values_list("due_at", flat=True).first()
+        assert work.resume == T0 + timedelta(days=8) and work.notices == T0 + timedelta(days=9)
 
 
 # ------------------------------------------------------------------ the triggers
