@@ -19,6 +19,7 @@ tree's scanner, e.g. an export of main, for the figure beside it).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -179,23 +180,28 @@ def idle_scanner(job_ids: list[int], seconds: float, code: Path) -> None:
                       for i, j in enumerate(job_ids)])
     load.analyze()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SCHEDULER_", "ZOOKEEPER"))}
-    env.update(SCHEDULER_DATA_DIR=tempfile.mkdtemp(prefix="wake-cost-"), PYTHONDONTWRITEBYTECODE="1")
-    log = open(Path(env["SCHEDULER_DATA_DIR"]) / "scanner.log", "wb")
+    data = Path(tempfile.mkdtemp(prefix="wake-cost-"))
+    env.update(SCHEDULER_DATA_DIR=str(data), PYTHONDONTWRITEBYTECODE="1", SCHEDULER_COUNT_STATEMENTS_DIR=str(data))
+
+    def statements() -> int:  # scheduler_project.statement_counter's file, written once a second
+        path = data / f"{proc.pid}.json"
+        return json.loads(path.read_text())["statements"] if path.exists() else 0
+    log = open(data / "scanner.log", "wb")
     proc = subprocess.Popen([sys.executable, "manage.py", "scanner", "--identifier", "idle"], cwd=code, env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         time.sleep(10)  # started, its first full scan done
         alive = proc.poll() is None
-        c0, cpu0, t0 = commits(), cpu_of(group_pids(proc.pid)), time.monotonic()
+        c0, s0, cpu0, t0 = commits(), statements(), cpu_of(group_pids(proc.pid)), time.monotonic()
         time.sleep(seconds)
-        c1, cpu1, t1 = commits(), cpu_of(group_pids(proc.pid)), time.monotonic()
+        c1, s1, cpu1, t1 = commits(), statements(), cpu_of(group_pids(proc.pid)), time.monotonic()
         alive = alive and proc.poll() is None
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=20)
         log.close()
     took = t1 - t0
-    print(f"idle scanner ({code}): {(c1 - c0 - 2) / took:.2f} transactions/s, "
+    print(f"idle scanner ({code}): {(s1 - s0) / took:.2f} statements/s, {(c1 - c0 - 2) / took:.2f} transactions/s, "
           f"{(cpu1 - cpu0) / took * 100:.2f}% of a core, over {took:.0f} s; alive throughout: {alive}; "
           f"log {log.name}")
 

@@ -3,10 +3,13 @@
 and finds each kind of recovery work at its time, not an interval late."""
 from __future__ import annotations
 
+import json
 import re
 import threading
+import time
 from collections.abc import Iterator
 from datetime import datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -64,6 +67,29 @@ def event_at(run: Run, kind: str) -> datetime | None:
 
 def queued_at(run: Run) -> datetime | None:
     return Run.objects.filter(pk=run.pk, status=S.QUEUED).values_list("queued_at", flat=True).first()
+
+
+def test_an_idle_scanner_process_makes_one_statement_per_scan_interval(stack: Stack, tmp_path: Path) -> None:
+    later = claims.store_now() + timedelta(minutes=10)
+    for i in range(32):
+        make_run(job(), later + timedelta(seconds=i))  # none due in the next 10 minutes
+    counts, interval = tmp_path / "statements", 0.5
+    counts.mkdir()
+    scanner = sleeping_scanner(stack, SCHEDULER_SCAN_INTERVAL=str(interval),
+                               SCHEDULER_COUNT_STATEMENTS_DIR=str(counts))  # scheduler_project.statement_counter
+
+    def statements() -> int:
+        path = counts / f"{scanner.pid}.json"
+        return json.loads(path.read_text())["statements"] if path.exists() else 0
+
+    wait_for(statements, 10, what="the scanner's statement count")
+    time.sleep(2)  # its first full scan is behind it
+    before, started = statements(), time.monotonic()
+    time.sleep(8)
+    made, took = statements() - before, time.monotonic() - started
+    print(f"idle scanner process: {made} statements in {took:.1f} s (SCHEDULER_SCAN_INTERVAL={interval})")
+    # The count is written once a second: each reading may be a second behind.
+    assert took / interval - 2 / interval <= made <= took / interval + 2 / interval, made
 
 
 def test_a_run_written_while_the_scanner_sleeps_is_queued_at_its_due_time_not_an_interval_later(stack: Stack) -> None:

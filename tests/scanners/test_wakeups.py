@@ -233,6 +233,22 @@ def test_a_bulk_insert_of_runs_due_soon_notifies_once_per_partition(
 
 @on_postgresql
 @pytest.mark.django_db(transaction=True)
+def test_next_runs_written_with_copy_notify_their_partitions_and_runs_due_later_do_not(
+        service: Any, listening: Callable[[], list[str]]) -> None:
+    from runs.bulk import insert_open_runs
+
+    soon, later = [make_job(service.user, name=f"c{i}") for i in range(3)], make_job(service.user, name="later")
+    listening()
+    now = claims.store_now()
+    rows = [Run(job=j, scheduled_for=now, due_at=now + timedelta(seconds=5), partition=j.partition) for j in soon]
+    rows.append(Run(job=later, scheduled_for=now, due_at=now + timedelta(minutes=5), partition=later.partition))
+    inserted, refused = insert_open_runs(rows)  # the worker's next runs: one COPY
+    assert len(inserted) == 4 and not refused
+    assert listening() == sorted({str(j.partition) for j in soon})
+
+
+@on_postgresql
+@pytest.mark.django_db(transaction=True)
 def test_writes_that_bring_no_work_sooner_notify_nobody(service: Any, listening: Callable[[], list[str]]) -> None:
     job = make_job(service.user)
     now = claims.store_now()
