@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db import InterfaceError, OperationalError, transaction
+from django.db import InterfaceError, OperationalError, connection, transaction
 from django.db.models.functions import Mod
 
 from jobs import schedule
@@ -92,6 +92,74 @@ def scan_once(*, partitions: list[int] | frozenset[int], now: datetime | None = 
     if publish and result.republished:
         publish_runs(result.republished)
     return result
+
+
+# ------------------------------------------------------------------ the probe
+#
+# What an idle scanner asks on each wake, in one statement: the store's clock and,
+# in its partitions, the earliest time of each kind of work a scan does. Each part
+# is an index read that stops at its first row: the earliest due run per partition
+# (runs_due_idx, read per partition as DUE_IDS_SQL does), the earliest lease end
+# (runs_lease_idx) and the oldest queued run (runs_queued_idx) likewise, the
+# earliest resume time of a paused job (jobs_paused_until_idx, which holds only
+# jobs with a resume time), and for the scanner of partition 0 the earliest pending
+# notice (notices_due_idx). docs/performance.md has their plans at 10^5 rows.
+_EARLIEST_PER_PARTITION = """(SELECT min(e.t)
+          FROM unnest(%s::integer[]) AS p(part)
+         CROSS JOIN LATERAL (
+               SELECT r.{column} AS t FROM runs r
+                WHERE r.partition = p.part AND {where}
+                ORDER BY r.{column} LIMIT 1) e)"""
+NEXT_WORK_SQL = f"""
+SELECT clock_timestamp(),
+       {_EARLIEST_PER_PARTITION.format(column="due_at", where="r.status = 'scheduled' AND NOT r.held")},
+       {_EARLIEST_PER_PARTITION.format(column="lease_expires_at", where="r.status = 'running'")},
+       {_EARLIEST_PER_PARTITION.format(column="queued_at", where="r.status = 'queued'")},
+       (SELECT j.paused_until FROM jobs j
+         WHERE j.paused_until IS NOT NULL AND j.paused AND j.id %% %s = ANY(%s::integer[])
+         ORDER BY j.paused_until LIMIT 1),
+       CASE WHEN %s THEN (SELECT n.due_at FROM notices n WHERE n.status = 'pending' ORDER BY n.due_at LIMIT 1) END
+"""
+# The embedded SQLite file: the same question, plainly (small tables, and no LATERAL).
+NEXT_WORK_SQL_SQLITE = """
+SELECT (SELECT min(due_at) FROM runs WHERE status = 'scheduled' AND NOT held AND partition IN ({parts})),
+       (SELECT min(lease_expires_at) FROM runs WHERE status = 'running' AND partition IN ({parts})),
+       (SELECT min(queued_at) FROM runs WHERE status = 'queued' AND partition IN ({parts})),
+       (SELECT min(paused_until) FROM jobs WHERE paused_until IS NOT NULL AND paused AND id %% %s IN ({parts})),
+       CASE WHEN %s THEN (SELECT min(due_at) FROM notices WHERE status = 'pending') END
+"""
+
+
+@dataclass(frozen=True)
+class Work:
+    """The probe's answer: the store's clock, and the earliest time of each kind of
+    work in a scanner's partitions (None: none of that kind)."""
+
+    now: datetime
+    due: datetime | None = None  # a scheduled, not-held run's due_at
+    lease: datetime | None = None  # a running run's lease_expires_at
+    queued: datetime | None = None  # a queued run's queued_at (republished SCHEDULER_REQUEUE_AFTER later)
+    resume: datetime | None = None  # a paused job's paused_until
+    notices: datetime | None = None  # a pending notice's due_at (asked by partition 0's scanner only)
+
+
+def next_work(partitions: list[int] | frozenset[int], *, notices: bool = False) -> Work:
+    """One statement: the store's clock and the earliest work in these partitions;
+    with `notices`, also the earliest pending notice (the scanner holding partition 0
+    publishes the notice sender)."""
+    parts = sorted(partitions)
+    n = settings.SCHEDULER_PARTITIONS
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute(NEXT_WORK_SQL, [parts, parts, parts, n, parts, notices])
+            row = cursor.fetchone()
+        else:
+            marks = ", ".join(["%s"] * len(parts)) or "NULL"
+            cursor.execute(NEXT_WORK_SQL_SQLITE.format(parts=marks), [*parts, *parts, *parts, n, *parts, notices])
+            row = (claims.store_now(), *cursor.fetchone())
+    now, due, lease, queued, resume, notice = (claims._as_datetime(v) for v in row)
+    assert now is not None
+    return Work(now=now, due=due, lease=lease, queued=queued, resume=resume, notices=notice)
 
 
 def republish_budget(*, room_left: int, batch: int) -> int:

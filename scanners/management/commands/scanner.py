@@ -9,15 +9,14 @@ from typing import Any
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandParser
-from django.db import close_old_connections
+from django.db import connection
 
-from scanners.coordination import PartitionLeases, make_leases
-from runs.notices import notices_due
 from runs.tasks import send_notices
-from scanners.scan import ScanResult, scan_once
+from scanners.coordination import PartitionLeases, make_leases
+from scanners.scan import ScanResult, next_work, scan_once
+from scanners.wakeups import RETRY_AFTER_ERROR, Listener, Pacer
 
 logger = logging.getLogger("scheduler.scanner")
-NOTICE_CHECK_SECONDS = 5.0
 
 
 class Command(BaseCommand):
@@ -40,52 +39,113 @@ class Command(BaseCommand):
         leases.start()
         self.stdout.write(f"scanner {leases.identifier} started ({leases.describe()['kind']} coordinator)")
         self.stdout.flush()
-        owned: frozenset[int] = frozenset()
         try:
-            while not self.stopping.is_set():
-                started = time.monotonic()
-                owned = self.handle_one(leases, owned)
-                if once:
-                    break
-                # Until the next turn, or sooner when the coordinator saw a change
-                # (a member left, a partition's lock was freed): a partition just
-                # taken is scanned at once, not a scan interval later.
-                leases.wait(settings.SCHEDULER_SCAN_INTERVAL - (time.monotonic() - started))
+            self.run_loop(leases, once=once)
         finally:
             leases.stop()
             self.stdout.write(f"scanner {leases.identifier} stopped")
 
-    def handle_one(self, leases: PartitionLeases, previous: frozenset[int]) -> frozenset[int]:
-        """One turn: ask which partitions are ours right now, scan them."""
+    def run_loop(self, leases: PartitionLeases, *, once: bool = False) -> None:
+        """Turns until `self.stopping` is set: each a probe (one statement), a scan
+        only when the probe finds work due, then a sleep until the next work, at most
+        SCHEDULER_SCAN_INTERVAL, cut short by a notification (scanners.wakeups) or a
+        change of leases (a member left, a partition's lock was freed: a partition
+        just taken is scanned at once)."""
+        self.stopping = getattr(self, "stopping", None) or threading.Event()
+        self.pacer = Pacer(
+            interval=settings.SCHEDULER_SCAN_INTERVAL,
+            lookahead=float(getattr(settings, "SCHEDULER_LOOKAHEAD", 0.0)),
+            requeue_after=settings.SCHEDULER_REQUEUE_AFTER,
+            lease=settings.SCHEDULER_LEASE_SECONDS,
+            batch=settings.SCHEDULER_SCAN_BATCH,
+        )
+        self.owned: frozenset[int] = frozenset()
+        self.rescan = True  # the first turn, and the one after a failed turn, scans in full
+        self.listener = None if once else Listener.for_scanner(leases.identifier, leases.wake)
+        try:
+            while not self.stopping.is_set():
+                turn = time.monotonic()
+                sleep = self.handle_one(leases)
+                if once:
+                    break
+                # Timed from after the probe, so a wake comes at the work's time or just
+                # after, never before it. Also after a scan (sleep 0): a wake already set
+                # is for work written before the probe that comes next, which sees it.
+                woken = leases.wait(sleep)
+                if woken and sleep > 0:
+                    # Woken early, perhaps by a stream of notifications: probes at most
+                    # a scan gap apart (a run written due at once waits that long at most).
+                    self.stopping.wait(self.pacer.gap - (time.monotonic() - turn))
+        finally:
+            if self.listener is not None:
+                self.listener.stop()
+
+    def handle_one(self, leases: PartitionLeases) -> float:
+        """One turn: ask which partitions are ours right now, probe them, scan them if
+        work is due (or they just changed). Returns how long to sleep. A scan always
+        comes back for a probe at once: what it left is the next sleep's answer."""
         owned = leases.poll()
-        if owned != previous:
+        changed = owned != self.owned or self.rescan
+        if owned != self.owned:
             # A line the handover measurements and operators read.
             self.stdout.write(f"partitions {sorted(owned)} at {time.time():.3f}")
             self.stdout.flush()
+            self.pacer.forget()
+        self.owned = owned
+        if self.listener is not None:
+            self.listener.partitions = owned
         if not owned:
-            return owned
-        close_old_connections()
+            return self.pacer.longest
         try:
-            result = scan_once(partitions=owned)
+            self._check_connection()
+            work = next_work(owned, notices=0 in owned)
+            self.pacer.observe(work)
+            self._notices(work)
+            if not (changed or self.pacer.scan_due(work)):
+                return self.pacer.sleep(work)
+            result = scan_once(partitions=owned, now=work.now)
         except Exception:  # the database is down or a statement failed: try again next turn
             logger.exception("scan failed")
-            return owned
+            self._store_failed()
+            self.rescan = True
+            return min(self.pacer.longest, RETRY_AFTER_ERROR)
+        self.rescan = False
+        self.pacer.scanned(work, result)
         self._report(result)
-        self.notices_tick(owned)
-        return owned
+        return 0.0
 
-    def notices_tick(self, owned: frozenset[int]) -> None:
-        """Every NOTICE_CHECK_SECONDS, the scanner holding partition 0 (one scanner,
-        with no more coordination) publishes the notice sender when notices are due.
-        It never sends them itself: a slow webhook must not hold up a scan."""
-        if 0 not in owned or time.monotonic() < getattr(self, "_notices_next", 0.0):
+    def _notices(self, work: Any) -> None:
+        """The scanner holding partition 0 (one scanner, with no more coordination)
+        publishes the notice sender when notices are due, at most every
+        NOTICE_CHECK_SECONDS. It never sends them itself: a slow webhook must not hold
+        up a scan."""
+        if not self.pacer.notices_due(work):
             return
-        self._notices_next = time.monotonic() + NOTICE_CHECK_SECONDS
+        self.pacer.notices_sent(work)
         try:
-            if notices_due():
-                send_notices.delay()
-        except Exception:  # the broker or the store is down: next time
+            send_notices.delay()
+        except Exception:  # the broker is down: next time
             logger.exception("notices check failed")
+
+    @staticmethod
+    def _check_connection() -> None:
+        """The health check, free of statements: a connection psycopg knows is closed
+        or broken is dropped, and the probe opens a new one. One the server dropped
+        unseen fails the probe instead: the turn fails and the next one reconnects."""
+        raw = connection.connection
+        if raw is not None and (getattr(raw, "closed", False) or getattr(raw, "broken", False)):
+            connection.close()
+
+    def _store_failed(self) -> None:
+        """The connection is closed so that the next turn opens a new one (the store
+        may have restarted or moved), and the listener reconnects too. Between turns it
+        stays open: an idle turn is one statement, not a connection."""
+        try:
+            connection.close()
+        except Exception:  # noqa: BLE001 - closing a broken connection may fail too
+            logger.debug("closing the broken connection failed", exc_info=True)
+        if self.listener is not None:
+            self.listener.reset()
 
     def _report(self, result: ScanResult) -> None:
         if result.to_publish or result.misfired or result.set_aside:

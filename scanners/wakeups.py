@@ -1,0 +1,258 @@
+"""When a scanner wakes: the probe's answer (scanners.scan.next_work) turned into a
+sleep, and the LISTEN connection that wakes it sooner.
+
+A scanner sleeps until the earliest work in its partitions comes due (less the
+look-ahead for due runs), at most SCHEDULER_SCAN_INTERVAL. Work written meanwhile
+that is due sooner wakes it: a trigger on runs, notices and jobs (the migrations
+runs 0011) sends `NOTIFY scheduler_due, '<partition>'` ('0' for a
+notice, '*' for a resume time), and the `Listener` thread, LISTENing on a
+connection of its own, wakes the scanner owning that partition, which probes (one
+statement) and scans only if something is due. Notifications are hints: one lost
+(the listen connection down, a notice sent while it reconnects) costs at most a
+scan interval, the longest a scanner sleeps.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import select
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from scanners.scan import ScanResult, Work
+
+logger = logging.getLogger("scheduler.scanner")
+
+CHANNEL = "scheduler_due"  # the triggers' channel (migration runs 0011)
+# The triggers notify work due within this of the writing statement's clock; work
+# due later is found by a scanner's own wake, which is never further apart than
+# LONGEST_SLEEP. Half the horizon: a writing transaction may take up to the other
+# half before it commits and the run becomes visible.
+NOTIFY_HORIZON = timedelta(seconds=60)
+LONGEST_SLEEP = NOTIFY_HORIZON.total_seconds() / 2
+# Scans that did not fill a batch are at least this far apart (or half the
+# look-ahead, when that is longer): under a steady stream of due runs the scanner
+# takes them in small batches, not one scan per due_at.
+SCAN_GAP = 0.02
+NOTICE_CHECK_SECONDS = 5.0  # the notice sender is published at most this often
+RETRY_AFTER_ERROR = 1.0  # a failed turn (the store down) is tried again after this, at most the interval
+LISTEN_BACKOFF = (0.5, 30.0)  # the listen connection's reconnects: first wait, longest wait
+LISTEN_STABLE = 30.0  # a listen connection that lived this long resets the backoff
+
+
+@dataclass
+class Pacer:
+    """When to scan and how long to sleep, from each probe's Work. No clock of its
+    own and no sleeping: every time is the store's, as the probe read it."""
+
+    interval: float
+    lookahead: float
+    requeue_after: float
+    lease: float
+    batch: int
+    gap: float = field(init=False)
+    _stuck: dict[str, datetime] = field(init=False, default_factory=dict)
+    _scanned_at: datetime | None = field(init=False, default=None)
+    _unchecked: Work | None = field(init=False, default=None)  # the probe before the last scan
+    _full: bool = field(init=False, default=False)
+    _notices_after: datetime | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.gap = max(SCAN_GAP, self.lookahead / 2)
+
+    @property
+    def longest(self) -> float:
+        return min(self.interval, LONGEST_SLEEP)
+
+    def times(self, work: Work, *, lookahead: float) -> dict[str, datetime]:
+        """When each kind of a scan's work is due: a run less the look-ahead, a lease at
+        its end, a queued run when it is republished, a paused job at its resume time."""
+        times = {
+            "due": work.due - timedelta(seconds=lookahead) if work.due else None,
+            "lease": work.lease,
+            "requeue": work.queued + timedelta(seconds=self.requeue_after) if work.queued else None,
+            "resume": work.resume,
+        }
+        return {kind: t for kind, t in times.items() if t is not None}
+
+    def observe(self, work: Work) -> None:
+        """The first probe after a scan: work that was due at that scan and is still
+        there could not be done (the queue at SCHEDULER_MAX_QUEUED, rows another
+        scanner holds, a resume that fails). That kind waits a scan interval, as it
+        did when every scan was an interval apart, instead of being scanned for again
+        and again. A scan that filled a batch is not blocked: it goes straight on.
+
+        A due run counts as left only if the earliest due_at is the one the scan
+        was for: a run written during the scan already due (run-now) is new work."""
+        before, self._unchecked = self._unchecked, None
+        if before is None or self._full:
+            return
+        for kind, t in self.times(work, lookahead=0).items():
+            if t <= before.now and (kind != "due" or work.due == before.due):
+                self._stuck[kind] = before.now + timedelta(seconds=self.interval)
+
+    def scan_at(self, work: Work) -> datetime | None:
+        """When a scan is next wanted, or None: nothing to do in these partitions."""
+        times = []
+        for kind, t in self.times(work, lookahead=self.lookahead).items():
+            until = self._stuck.get(kind)
+            if until is not None and until <= work.now:
+                del self._stuck[kind]
+            elif until is not None:
+                t = max(t, until)
+            times.append(t)
+        if not times:
+            return None
+        at = min(times)
+        if self._scanned_at is not None and not self._full:
+            at = max(at, self._scanned_at + timedelta(seconds=self.gap))
+        return at
+
+    def forget(self) -> None:
+        """The partitions changed: what was blocked was about others."""
+        self._stuck.clear()
+
+    def scan_due(self, work: Work) -> bool:
+        at = self.scan_at(work)
+        return at is not None and at <= work.now
+
+    def scanned(self, work: Work, result: ScanResult) -> None:
+        """A scan ran at work.now (the probe's clock, which the scan used)."""
+        self._scanned_at, self._unchecked = work.now, work
+        self._full = max(len(result.lease_expired), len(result.republished), len(result.resumed)) >= self.batch
+
+    def notices_due(self, work: Work) -> bool:
+        at = self._notices_at(work)
+        return at is not None and at <= work.now
+
+    def notices_sent(self, work: Work) -> None:
+        self._notices_after = work.now + timedelta(seconds=NOTICE_CHECK_SECONDS)
+
+    def _notices_at(self, work: Work) -> datetime | None:
+        if work.notices is None:
+            return None
+        return max(work.notices, self._notices_after) if self._notices_after else work.notices
+
+    def sleep(self, work: Work) -> float:
+        """Seconds from the probe until the next wake: the next scan, the next notice
+        check, at most the longest sleep. While runs wait queued, at most a lease's
+        length: one claimed now has its lease end no sooner than that, and the next
+        probe sees it running and wakes again at its end."""
+        wakes = [work.now + timedelta(seconds=self.longest)]
+        wakes += [t for t in (self.scan_at(work), self._notices_at(work)) if t is not None]
+        if work.queued is not None:
+            wakes.append(work.now + timedelta(seconds=self.lease))
+        return max(0.0, (min(wakes) - work.now).total_seconds())
+
+
+class Listener:
+    """LISTEN scheduler_due on a connection of its own, in a thread: a notification
+    for one of `partitions` (or '*') calls `wake`. Idle, the thread sits in select()
+    on the connection's socket and a pipe (stop, reset): no statement, no timer.
+
+    If the connection drops it reconnects with backoff, and wakes the scanner once
+    it is back (what was sent meanwhile is lost); until then the scanner sleeps by
+    its interval, which is all a lost notification costs."""
+
+    def __init__(self, identifier: str, conn_params: dict[str, Any], wake: Callable[[], None]) -> None:
+        self.partitions: frozenset[int] = frozenset()
+        self.listening = threading.Event()  # set while LISTEN is in place (tests, ops)
+        self._params = listen_params(conn_params, identifier)
+        self._wake = wake
+        self._stop = threading.Event()
+        self._reset = threading.Event()
+        self._pipe_r, self._pipe_w = os.pipe()
+        self._thread = threading.Thread(target=self._run, name=f"listen-{identifier}", daemon=True)
+
+    @classmethod
+    def for_scanner(cls, identifier: str, wake: Callable[[], None]) -> Listener | None:
+        """A started listener on PostgreSQL; None on the embedded SQLite file (no
+        NOTIFY: the scanner sleeps by its interval there)."""
+        from django.db import connection
+
+        if connection.vendor != "postgresql":
+            return None
+        listener = cls(identifier, connection.get_connection_params(), wake)
+        listener._thread.start()
+        return listener
+
+    def reset(self) -> None:
+        """Reconnect (the scanner's own connection failed: the store may have moved)."""
+        self._reset.set()
+        self._poke()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._poke()
+        self._thread.join(timeout)
+        if not self._thread.is_alive():
+            os.close(self._pipe_r)
+            os.close(self._pipe_w)
+
+    def _poke(self) -> None:
+        try:
+            os.write(self._pipe_w, b"x")
+        except OSError:  # closed by stop()
+            pass
+
+    def _run(self) -> None:
+        backoff = LISTEN_BACKOFF[0]
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                self._listen()
+            except Exception as exc:  # noqa: BLE001 - whatever it is, the scanner goes on by its interval
+                self.listening.clear()
+                if self._stop.is_set():
+                    break
+                if time.monotonic() - started >= LISTEN_STABLE:
+                    backoff = LISTEN_BACKOFF[0]
+                logger.warning("listen connection lost (%s); waking by the scan interval, reconnecting in %.1f s",
+                               str(exc).strip()[:200] or type(exc).__name__, backoff)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, LISTEN_BACKOFF[1])
+
+    def _listen(self) -> None:
+        import psycopg
+
+        with psycopg.connect(**self._params, autocommit=True) as conn:
+            conn.execute(f"LISTEN {CHANNEL}")
+            self.listening.set()
+            # Listening now: whatever was written while it was not is looked for at once.
+            self._wake()
+            sock = conn.pgconn.socket
+            while not self._stop.is_set():
+                ready, _, _ = select.select([sock, self._pipe_r], [], [])
+                if self._pipe_r in ready:
+                    os.read(self._pipe_r, 64)
+                    if self._reset.is_set():
+                        self._reset.clear()
+                        raise ConnectionResetError("reset after the scanner's connection failed")
+                    continue
+                self._deliver([n.payload for n in conn.notifies(timeout=0)])
+                if conn.closed or conn.broken:
+                    raise ConnectionError("listen connection closed")
+        self.listening.clear()
+
+    def _deliver(self, payloads: list[str]) -> None:
+        partitions = self.partitions
+        for payload in payloads:
+            if payload == "*" or (payload.isdigit() and int(payload) in partitions):
+                self._wake()
+                return
+
+
+def listen_params(conn_params: dict[str, Any], identifier: str) -> dict[str, Any]:
+    """Django's connection parameters for a plain psycopg connection: its own name in
+    pg_stat_activity, a bounded connect, and TCP keepalives (the connection only ever
+    reads: without them a silently lost server would never be noticed)."""
+    params = {k: v for k, v in conn_params.items() if k not in ("cursor_factory", "context", "prepare_threshold")}
+    params["application_name"] = f"scanner {identifier} listen"[:63]
+    for key, value in (("connect_timeout", 10), ("keepalives", 1), ("keepalives_idle", 30),
+                       ("keepalives_interval", 10), ("keepalives_count", 3)):
+        params.setdefault(key, value)
+    return params

@@ -1,0 +1,344 @@
+"""The scanner sleeps until it has work: the probe (one statement), the sleep it
+decides, the triggers that wake it, and what an idle scanner costs."""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from django.db import connection
+from django.test import override_settings
+
+from jobs.models import Job
+from runs import claims
+from runs.models import Notice, Run
+from scanners.coordination import LocalLeases
+from scanners.management.commands.scanner import Command
+from scanners.scan import NEXT_WORK_SQL, ScanResult, Work, next_work
+from scanners.wakeups import CHANNEL, LONGEST_SLEEP, NOTICE_CHECK_SECONDS, SCAN_GAP, Pacer, listen_params
+from tests.factories import make_job, make_run, utc
+
+S = Run.Status
+T0 = utc("2026-10-28T20:30:00Z")
+on_postgresql = pytest.mark.skipif(connection.vendor != "postgresql", reason="NOTIFY and the plans are PostgreSQL's")
+
+
+def pacer(**given: Any) -> Pacer:
+    values: dict[str, Any] = {"interval": 1.0, "lookahead": 0.0, "requeue_after": 30, "lease": 60, "batch": 500}
+    values.update(given)
+    return Pacer(**values)
+
+
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+# ------------------------------------------------------------------ the sleep (no database)
+
+
+def test_an_idle_scanner_sleeps_the_scan_interval_and_never_longer_than_the_notify_horizon_allows() -> None:
+    assert pacer(interval=1.0).sleep(Work(now=T0)) == 1.0
+    assert pacer(interval=30.0).sleep(Work(now=T0, due=at(600))) == 30.0
+    # A run written due in 61 s notifies nobody (the triggers' horizon is 60 s): the
+    # scanner must wake by itself before it is due, however long its interval.
+    assert pacer(interval=300.0).sleep(Work(now=T0)) == LONGEST_SLEEP == 30.0
+
+
+def test_a_scanner_sleeps_until_its_earliest_work_less_the_lookahead_for_a_due_run() -> None:
+    assert pacer(interval=30).sleep(Work(now=T0, due=at(2.5))) == 2.5
+    assert pacer(interval=30, lookahead=0.4).sleep(Work(now=T0, due=at(2.5))) == pytest.approx(2.1)
+    # Recovery work is not handed on early: a lease at its end, a lost message when
+    # SCHEDULER_REQUEUE_AFTER has passed, a paused job at its resume time.
+    assert pacer(interval=30, lookahead=0.4).sleep(Work(now=T0, lease=at(3))) == 3.0
+    assert pacer(interval=60, requeue_after=5, lease=60).sleep(Work(now=T0, queued=at(-2))) == 3.0
+    assert pacer(interval=30, lookahead=0.4).sleep(Work(now=T0, resume=at(7))) == 7.0
+    assert pacer(interval=30).sleep(Work(now=T0, due=at(-1))) == 0.0
+
+
+def test_while_a_run_waits_queued_the_scanner_looks_again_within_a_lease() -> None:
+    """A queued run claimed now has its lease end no sooner than a lease from now: the
+    probe then sees it running and sleeps until that end, never past it."""
+    p = pacer(interval=30, requeue_after=30, lease=2)
+    assert p.sleep(Work(now=T0, queued=at(-1))) == 2.0
+    assert p.sleep(Work(now=T0)) == 30.0
+
+
+def test_work_due_is_scanned_for_and_work_not_yet_due_is_not() -> None:
+    p = pacer(lookahead=0.2)
+    assert not p.scan_due(Work(now=T0, due=at(0.5), lease=at(1), queued=at(-29), resume=at(0.1)))
+    assert p.scan_due(Work(now=T0, due=at(0.2)))
+    assert p.scan_due(Work(now=T0, lease=at(0)))
+    assert p.scan_due(Work(now=T0, queued=at(-30)))
+    assert p.scan_due(Work(now=T0, resume=at(-0.001)))
+    assert not p.scan_due(Work(now=T0, notices=at(-5)))  # notices are published, not scanned for
+
+
+def test_scans_that_found_no_full_batch_are_at_least_a_scan_gap_apart() -> None:
+    p = pacer()
+    p.scanned(Work(now=T0), ScanResult(queued=[1]))
+    after = Work(now=at(0.001), due=at(0.002))
+    p.observe(after)
+    assert not p.scan_due(after)
+    assert p.sleep(after) == pytest.approx(SCAN_GAP - 0.001)
+    assert p.scan_due(Work(now=at(SCAN_GAP), due=at(0.002)))
+    assert pacer(lookahead=0.5).gap == 0.25  # half the look-ahead, when that is longer
+
+
+def test_work_a_scan_could_not_do_waits_a_scan_interval_instead_of_being_scanned_for_again() -> None:
+    """The queue at SCHEDULER_MAX_QUEUED leaves due runs due: scanning for them at once
+    again would spin. They wait an interval, as when every scan was an interval apart,
+    while other kinds of work still wake the scanner at their time."""
+    p = pacer(interval=1.0)
+    p.scanned(Work(now=T0, due=at(-3)), ScanResult())
+    still = Work(now=at(0.01), due=at(-3), resume=at(0.3))
+    p.observe(still)
+    assert not p.scan_due(still)
+    assert p.sleep(still) == pytest.approx(0.29)  # the resume time, not the stuck runs
+    assert not p.scan_due(Work(now=at(0.99), due=at(-3)))
+    assert p.scan_due(Work(now=at(1.0), due=at(-3)))
+
+
+def test_a_scan_that_filled_a_batch_goes_straight_on() -> None:
+    p = pacer(batch=3)
+    p.scanned(Work(now=T0, lease=at(-9)), ScanResult(lease_expired=[1, 2, 3]))
+    more = Work(now=at(0.001), lease=at(-8))
+    p.observe(more)
+    assert p.scan_due(more) and p.sleep(more) == 0.0
+
+
+def test_work_written_during_a_scan_is_not_taken_for_work_it_could_not_do() -> None:
+    p = pacer(interval=1.0)
+    p.scanned(Work(now=T0), ScanResult(queued=[1]))
+    later = Work(now=at(0.05), due=at(0.03))  # due after the scan: written meanwhile
+    p.observe(later)
+    assert p.scan_due(later)
+    p.scanned(Work(now=at(1), due=at(-3)), ScanResult())
+    run_now = Work(now=at(1.05), due=at(0.99))  # due before the scan, but not the run it was for
+    p.observe(run_now)
+    assert p.scan_due(run_now)
+
+
+def test_notices_are_published_at_once_then_at_most_every_notice_check() -> None:
+    p = pacer(interval=30)
+    first = Work(now=T0, notices=at(-1))
+    assert p.notices_due(first)
+    p.notices_sent(first)
+    again = Work(now=at(1), notices=at(-1))
+    assert not p.notices_due(again)
+    assert p.sleep(again) == pytest.approx(NOTICE_CHECK_SECONDS - 1)
+    assert p.notices_due(Work(now=at(NOTICE_CHECK_SECONDS), notices=at(-1)))
+    assert not pacer().notices_due(Work(now=T0, notices=at(3)))
+
+
+# ------------------------------------------------------------------ the probe
+
+
+@pytest.mark.embedded
+@pytest.mark.django_db
+def test_the_probe_finds_the_earliest_work_of_each_kind_in_its_own_partitions_only(service: Any) -> None:
+    jobs = [make_job(service.user, name=f"j{i}") for i in range(4)]
+    mine = frozenset({jobs[0].partition, jobs[1].partition})
+    a, b, other, far = jobs
+    extra = {"is_backfill": True}  # more open runs than a job's own one
+    make_run(a, at(10))
+    make_run(b, at(4), due_at=at(5))  # due_at counts, not scheduled_for
+    make_run(a, at(1), held=True, **extra)  # held: not the scanner's
+    make_run(other, at(2))  # another scanner's partition
+    make_run(b, at(-60), status=S.RUNNING, lease_expires_at=at(20), **extra)
+    make_run(a, at(-120), status=S.QUEUED, queued_at=at(-100), **extra)
+    make_run(far, at(-120), status=S.QUEUED, queued_at=at(-200))
+    Job.objects.filter(pk=b.pk).update(paused=True, paused_until=at(40))
+    Job.objects.filter(pk=far.pk).update(paused=True, paused_until=at(30))
+    Notice.objects.create(job=far, kind=Notice.Kind.DEAD, created_at=T0, due_at=at(7))
+
+    work = next_work(mine, notices=True)
+    assert (work.due, work.lease, work.queued, work.resume, work.notices) == (at(5), at(20), at(-100), at(40), at(7))
+    assert abs((work.now - claims.store_now()).total_seconds()) < 5
+    assert next_work(mine).notices is None  # only the scanner of partition 0 asks
+    nothing = next_work(frozenset(range(16)) - mine - {other.partition, far.partition})
+    assert (nothing.due, nothing.lease, nothing.queued, nothing.resume) == (None, None, None, None)
+
+
+def fill(rows: int) -> None:
+    """`rows` jobs and a run each due next week, a tenth of them queued, running or
+    paused with a resume time, a tenth with a pending notice: every index the probe
+    reads has rows, most of them none of its business."""
+    from tests.scanners.test_due_query_plan import fill_sql
+
+    owner = make_job().owner
+    fill_jobs, fill_runs = fill_sql()
+    with connection.cursor() as cursor:
+        cursor.execute(fill_jobs, [owner.pk, rows])
+        cursor.execute(fill_runs, [T0 + timedelta(days=7)])
+        cursor.execute("UPDATE runs SET status = 'queued', queued_at = due_at WHERE id %% 10 = %s", [1])
+        cursor.execute("UPDATE runs SET status = 'running', lease_expires_at = due_at WHERE id %% 10 = %s", [2])
+        cursor.execute("UPDATE jobs SET paused = true, paused_until = %s WHERE id %% 10 = 3", [T0 + timedelta(days=8)])
+        cursor.execute("INSERT INTO notices (job_id, kind, reason, created_at, status, due_at, tries, sent_to, "
+                       "last_error) SELECT id, 'dead', '', now(), 'pending', %s, 0, '', '' FROM jobs WHERE id %% 10 = 4",
+                       [T0 + timedelta(days=9)])
+        for table in ("jobs", "runs", "notices"):
+            cursor.execute(f"ANALYZE {table}")
+
+
+@on_postgresql
+@pytest.mark.django_db(transaction=True)
+def test_each_part_of_the_probe_is_a_read_of_its_own_index_at_a_hundred_thousand_rows() -> None:
+    fill(100_000)
+    for parts in (list(range(16)), [3, 7]):
+        with connection.cursor() as cursor:
+            cursor.execute("EXPLAIN (COSTS OFF) " + NEXT_WORK_SQL, [parts, parts, parts, 16, parts, True])
+            plan = "\n".join(row[0] for row in cursor.fetchall())
+        for index in ("runs_due_idx", "runs_lease_idx", "runs_queued_idx", "jobs_paused_until_idx", "notices_due_idx"):
+            assert index in plan, plan
+        assert "Seq Scan" not in plan and "Sort" not in plan, plan
+        work = next_work(parts, notices=True)
+        scheduled = Run.objects.filter(partition__in=parts, status=S.SCHEDULED, held=False).order_by("due_at")
+        assert work.due == scheduled.values_list("due_at", flat=True).first()
+        assert work.resume == T0 + timedelta(days=8) and work.notices == T0 + timedelta(days=9)
+
+
+# ------------------------------------------------------------------ the triggers
+
+
+@pytest.fixture
+def listening() -> Iterator[Callable[[], list[str]]]:
+    """A LISTEN connection of the test's own: what was notified since the last call."""
+    conn = psycopg.connect(**listen_params(connection.get_connection_params(), "test"), autocommit=True)
+    conn.execute(f"LISTEN {CHANNEL}")
+
+    def received() -> list[str]:
+        time.sleep(0.05)  # delivered at commit; give the server a moment to send it
+        return sorted(n.payload for n in conn.notifies(timeout=0.2))
+
+    yield received
+    conn.close()
+
+
+@on_postgresql
+@pytest.mark.django_db(transaction=True)
+def test_a_bulk_insert_of_runs_due_soon_notifies_once_per_partition(
+        service: Any, listening: Callable[[], list[str]]) -> None:
+    jobs = [make_job(service.user, name=f"b{i}") for i in range(40)]
+    listening()
+    now = claims.store_now()
+    Run.objects.bulk_create(Run(job=j, scheduled_for=now, due_at=now + timedelta(seconds=1), partition=j.partition)
+                            for j in jobs)
+    assert listening() == sorted({str(j.partition) for j in jobs})
+
+
+@on_postgresql
+@pytest.mark.django_db(transaction=True)
+def test_next_runs_written_with_copy_notify_their_partitions_and_runs_due_later_do_not(
+        service: Any, listening: Callable[[], list[str]]) -> None:
+    from runs.bulk import insert_open_runs
+
+    soon, later = [make_job(service.user, name=f"c{i}") for i in range(3)], make_job(service.user, name="later")
+    listening()
+    now = claims.store_now()
+    rows = [Run(job=j, scheduled_for=now, due_at=now + timedelta(seconds=5), partition=j.partition) for j in soon]
+    rows.append(Run(job=later, scheduled_for=now, due_at=now + timedelta(minutes=5), partition=later.partition))
+    inserted, refused = insert_open_runs(rows)  # the worker's next runs: one COPY
+    assert len(inserted) == 4 and not refused
+    assert listening() == sorted({str(j.partition) for j in soon})
+
+
+@on_postgresql
+@pytest.mark.django_db(transaction=True)
+def test_writes_that_bring_no_work_sooner_notify_nobody(service: Any, listening: Callable[[], list[str]]) -> None:
+    job = make_job(service.user)
+    now = claims.store_now()
+    later = make_run(job, now + timedelta(days=7))  # due past the horizon
+    Run.objects.filter(pk=later.pk).update(due_at=now + timedelta(days=8))
+    Run.objects.filter(pk=later.pk).update(status=S.QUEUED, queued_at=now)
+    claim = claims.claim(run_id=later.pk, worker="w", lease=timedelta(seconds=60))
+    assert claim is not None
+    assert claims.heartbeat(run_id=later.pk, fence=claim.fence, lease=timedelta(seconds=60))
+    assert claims.finish(run_id=later.pk, fence=claim.fence, status=S.SUCCEEDED, now=now)
+    held = make_run(job, now, due_at=now + timedelta(seconds=1), held=True)
+    Run.objects.filter(pk=held.pk).update(due_at=now)  # still held
+    assert listening() == []
+
+
+@on_postgresql
+@pytest.mark.django_db(transaction=True)
+def test_a_retry_a_release_a_resume_time_and_a_notice_each_wake_their_scanner(
+        service: Any, listening: Callable[[], list[str]]) -> None:
+    job = make_job(service.user)
+    p = str(job.partition)
+    now = claims.store_now()
+    run = make_run(job, now - timedelta(seconds=5), status=S.QUEUED, queued_at=now)
+    claim = claims.claim(run_id=run.pk, worker="w", lease=timedelta(seconds=60))
+    assert claim is not None and listening() == []
+    assert claims.schedule_retry(run_id=run.pk, fence=claim.fence, due_at=now + timedelta(seconds=10), error="503")
+    assert listening() == [p]
+    Run.objects.filter(pk=run.pk).update(held=True)
+    assert listening() == []
+    Run.objects.filter(pk=run.pk).update(held=False)  # a resume releases it
+    assert listening() == [p]
+    Job.objects.filter(pk=job.pk).update(paused=True, paused_until=now + timedelta(seconds=20))
+    assert listening() == ["*"]
+    Notice.objects.create(job=job, kind=Notice.Kind.DEAD, created_at=now, due_at=now)
+    assert listening() == ["0"]
+
+
+# ------------------------------------------------------------------ an idle scanner
+
+
+def run_scanner(body: Callable[[Command, LocalLeases], None], stop: threading.Event,
+                statements: list[tuple[float, str]]) -> threading.Thread:
+    """The scanner's loop on a thread of its own (its own connection), on the
+    single-node coordinator, every statement on its connection counted."""
+
+    def count(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        statements.append((time.monotonic(), sql))
+        return execute(sql, params, many, context)
+
+    def main() -> None:
+        command = Command()
+        command.stopping = stop
+        leases = LocalLeases("idle-test")
+        leases.start()
+        try:
+            with connection.execute_wrapper(count):
+                body(command, leases)
+        finally:
+            leases.stop()
+            connection.close()
+
+    thread = threading.Thread(target=main, name="scanner-under-test")
+    thread.start()
+    return thread
+
+
+@on_postgresql
+@pytest.mark.django_db(transaction=True)
+def test_an_idle_scanner_makes_one_statement_per_scan_interval(service: Any, tmp_path: Path) -> None:
+    owner = service.user
+    jobs = [make_job(owner, name=f"idle{i}") for i in range(64)]
+    now = claims.store_now()
+    Run.objects.bulk_create(Run(job=j, scheduled_for=now + timedelta(minutes=10), due_at=now + timedelta(minutes=10),
+                                partition=j.partition) for j in jobs)
+    interval = 0.25
+    stop = threading.Event()
+    statements: list[tuple[float, str]] = []
+    with override_settings(SCHEDULER_SCAN_INTERVAL=interval, DATA_DIR=tmp_path):
+        thread = run_scanner(lambda command, leases: command.run_loop(leases), stop, statements)
+        try:
+            time.sleep(1.0)  # the first turn scans in full; then it only probes
+            start, before = time.monotonic(), len(statements)
+            time.sleep(3.0)
+            window = statements[before:]
+        finally:
+            stop.set()
+            thread.join(10)
+    assert not thread.is_alive()
+    elapsed = time.monotonic() - start
+    print(f"idle scanner: {len(window)} statements in {elapsed:.2f} s (interval {interval} s)")
+    assert all(sql == NEXT_WORK_SQL for _, sql in window), {sql[:60] for _, sql in window}
+    assert len(window) <= elapsed / interval + 1
+    assert len(window) >= elapsed / interval - 2  # it does wake by its interval
