@@ -652,8 +652,10 @@ class _Batch:
             now = self.store_now()
             early = self.start(wave, now, waiting[0].due_at if waiting else None)
             if early:
-                # Refused as not due yet by the store's clock: this process's idea of it was off.
+                # Refused as not due yet by the store's clock: this process's idea of it
+                # was off. Read it again, and wait by that read for these runs.
                 now, self.offset = claims.store_clock_offset()
+                time.sleep(max(0.0, (early[-1].due_at - now).total_seconds()))
                 for run in early:
                     tries[run.pk] = tries.get(run.pk, 0) + 1
                 given_up += [run for run in early if tries[run.pk] > NOT_DUE_TRIES]
