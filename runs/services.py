@@ -649,8 +649,7 @@ class _Batch:
                 break  # these, and every run after them, are not waited for
             waiting = rest
             self.sleep_until(wave[-1].due_at)
-            now = self.store_now()
-            early = self.start(wave, now, waiting[0].due_at if waiting else None)
+            early = self.start(wave, self.store_now(), waiting[0].due_at if waiting else None)
             if early:
                 # Refused as not due yet by the store's clock: this process's idea of it
                 # was off. Read it again, and wait by that read for these runs.
@@ -661,6 +660,7 @@ class _Batch:
                 given_up += [run for run in early if tries[run.pk] > NOT_DUE_TRIES]
                 waiting = sorted(waiting + [run for run in early if tries[run.pk] <= NOT_DUE_TRIES],
                                  key=lambda r: r.due_at)
+            now = self.store_now()
         for run in given_up + waiting:  # back to `scheduled`, for the scanner to queue again when due
             self.outcomes[run.pk] = _defer(run, now, run.due_at, "not_yet_due")
 

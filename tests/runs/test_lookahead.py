@@ -11,6 +11,7 @@ clock that is wrong).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 import time
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -185,27 +186,21 @@ def _estimate_off_by(seconds: float, times: int) -> Callable[[], tuple[datetime,
     return estimate
 
 
-def test_a_claim_refused_as_not_yet_due_is_tried_again_at_the_due_time(service: Any, target: LoopbackTarget) -> None:
+@pytest.mark.parametrize(("ahead", "times"), [(0.3, 1), (5.0, 100)], ids=["once", "every time"])
+def test_a_claim_refused_as_not_yet_due_is_tried_again_at_the_due_time(
+    service: Any, target: LoopbackTarget, ahead: float, times: int
+) -> None:
+    """The worker's estimate says the store's clock is `ahead` seconds further on than
+    it is (the first time, or every time): it tries early, the claim refuses, and it
+    tries again once the store's own reading (which came with the estimate) says due."""
     run = queued_ahead(job_for(service, target), 0.4)
-    # The first estimate says the store is 0.3 s ahead: the worker tries 0.3 s early.
-    with mock.patch.object(claims, "store_clock_offset", _estimate_off_by(0.3, times=1)):
+    with mock.patch.object(claims, "store_clock_offset", _estimate_off_by(ahead, times=times)), \
+            counting_claims() as waves:
         assert run_execute(run_id=run.pk, worker="w1") == "succeeded"
     run.refresh_from_db()
     [call] = target.calls("/hook")
     assert run.due_at <= run.started_at and run.due_at.timestamp() <= call.at
-    assert (run.fence, run.attempt) == (1, 1)
-
-
-def test_a_worker_whose_estimate_stays_wrong_still_calls_nothing_early(service: Any, target: LoopbackTarget) -> None:
-    run = queued_ahead(job_for(service, target), 0.3)
-    # Every estimate says the store is 5 s ahead: the worker tries at once, is refused,
-    # and then waits by the store's own reading that came with the estimate.
-    with mock.patch.object(claims, "store_clock_offset", _estimate_off_by(5.0, times=100)):
-        assert run_execute(run_id=run.pk, worker="w1") == "succeeded"
-    run.refresh_from_db()
-    [call] = target.calls("/hook")
-    assert run.due_at <= run.started_at and run.due_at.timestamp() <= call.at
-    assert (run.fence, run.attempt) == (1, 1)
+    assert (run.fence, run.attempt) == (1, 1) and len(waves) == 2  # refused once, then claimed
 
 
 def test_a_run_due_past_the_longest_wait_is_given_back_without_waiting(service: Any, target: LoopbackTarget) -> None:
@@ -215,7 +210,21 @@ def test_a_run_due_past_the_longest_wait_is_given_back_without_waiting(service: 
     assert run.status == S.SCHEDULED and target.calls() == []
 
 
-def _during_the_wait(action: Callable[[], None]) -> Any:
+@contextmanager
+def counting_claims() -> Iterator[list[set[int]]]:
+    """The runs of each claim statement the worker makes (the real one), in order."""
+    waves: list[set[int]] = []
+    real = run_services._claim_wave
+
+    def claim_wave(wave: list[Run], worker: str, lease: timedelta) -> Any:
+        waves.append({r.pk for r in wave})
+        return real(wave, worker, lease)
+
+    with mock.patch.object(run_services, "_claim_wave", claim_wave):
+        yield waves
+
+
+def _during_the_wait(action: Callable[[], object]) -> Any:
     """The worker's wait for a due time, with `action` done at its start: what other
     processes do while a worker holds a message for a run not yet due."""
     real = run_services._Batch.sleep_until
@@ -228,31 +237,25 @@ def _during_the_wait(action: Callable[[], None]) -> Any:
     return mock.patch.object(run_services._Batch, "sleep_until", sleep_until)
 
 
-def test_a_job_paused_while_its_run_is_waited_for_is_not_called(service: Any, target: LoopbackTarget) -> None:
+@pytest.mark.parametrize(("stop", "left"), [
+    ("job paused", (S.SCHEDULED, True)),
+    ("job deleted", (S.CANCELLED, False)),
+    ("target paused", (S.SCHEDULED, True)),
+])
+def test_a_run_stopped_while_it_is_waited_for_is_refused_by_the_claim(
+    service: Any, target: LoopbackTarget, stop: str, left: tuple[str, bool]
+) -> None:
     job = job_for(service, target)
     run = queued_ahead(job, 0.3)
-    with _during_the_wait(lambda: job_pause(job=Job.objects.get(pk=job.pk))):
+    stops: dict[str, Callable[[], object]] = {
+        "job paused": lambda: job_pause(job=Job.objects.get(pk=job.pk)),
+        "job deleted": lambda: job_delete(job=Job.objects.get(pk=job.pk)),
+        "target paused": lambda: target_pause(host=f"127.0.0.1:{target.port}"),
+    }
+    with _during_the_wait(stops[stop]):
         assert run_execute(run_id=run.pk, worker="w1") == "not_claimed"
     run.refresh_from_db()
-    assert target.calls() == [] and run.status == S.SCHEDULED and run.held and run.fence == 0
-
-
-def test_a_job_deleted_while_its_run_is_waited_for_is_not_called(service: Any, target: LoopbackTarget) -> None:
-    job = job_for(service, target)
-    run = queued_ahead(job, 0.3)
-    with _during_the_wait(lambda: job_delete(job=Job.objects.get(pk=job.pk))):
-        assert run_execute(run_id=run.pk, worker="w1") == "not_claimed"
-    run.refresh_from_db()
-    assert target.calls() == [] and run.status == S.CANCELLED and run.fence == 0
-
-
-def test_a_run_held_by_a_target_pause_while_waited_for_is_not_called(service: Any, target: LoopbackTarget) -> None:
-    job = job_for(service, target)
-    run = queued_ahead(job, 0.3)
-    with _during_the_wait(lambda: target_pause(host=f"127.0.0.1:{target.port}")):
-        assert run_execute(run_id=run.pk, worker="w1") == "not_claimed"
-    run.refresh_from_db()
-    assert target.calls() == [] and run.held and run.fence == 0
+    assert target.calls() == [] and (run.status, run.held) == left and (run.fence, run.attempt) == (0, 0)
 
 
 def test_a_run_another_worker_claims_at_its_due_time_is_not_claimed_twice(service: Any, target: LoopbackTarget) -> None:
@@ -279,14 +282,7 @@ def test_a_batch_claims_its_runs_in_waves_as_they_come_due(service: Any, target:
     jobs = [job_for(service, target, f"/r{i}") for i in range(5)]
     now = claims.store_now()
     runs = [queued_ahead(job, ahead, now) for job, ahead in zip(jobs, [-1.0, -0.5, 0.2, 0.2, 0.4])]
-    waves: list[set[int]] = []
-    real = run_services._claim_wave
-
-    def claim_wave(wave: list[Run], worker: str, lease: timedelta) -> Any:
-        waves.append({r.pk for r in wave})
-        return real(wave, worker, lease)
-
-    with mock.patch.object(run_services, "_claim_wave", claim_wave):
+    with counting_claims() as waves:
         outcomes = run_execute_many(run_ids=[r.pk for r in reversed(runs)], worker="w1")
 
     assert set(outcomes.values()) == {"succeeded"}
