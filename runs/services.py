@@ -819,11 +819,14 @@ def _claim_wave(runs: list[Run], worker: str, lease: timedelta) -> tuple[list[Cl
         # Overlap allow: those jobs are locked before any run row (the order an edit takes).
         allow_jobs = jobs_lock(r.job_id for r in runs if _may_detach(r, r.job))
         taken = claims.claim_many(run_ids=[r.pk for r in runs], worker=worker, lease=lease)
-        events.record_many(
-            (events.event(c.run_id, "claimed", now, fence=c.fence, worker=worker, attempt=c.attempt) for c in taken),
-            runs={r.pk: r for r in runs},  # as read before the claim: a first start has no started_at yet
-        )
         runs_by_id = {r.pk: r for r in runs}
+        # The claim's own clock is at least the due time (it checks) and at least `now`
+        # (read just before it): the event says no earlier than either.
+        events.record_many(
+            (events.event(c.run_id, "claimed", max(now, runs_by_id[c.run_id].due_at), fence=c.fence, worker=worker,
+                          attempt=c.attempt) for c in taken),
+            runs=runs_by_id,  # as read before the claim: a first start has no started_at yet
+        )
         _detach_claimed([(runs_by_id[c.run_id], c) for c in taken], allow_jobs, now)
     return taken, now
 

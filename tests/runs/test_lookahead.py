@@ -156,6 +156,7 @@ def test_a_run_queued_ahead_is_called_at_its_due_time_not_before(service: Any, t
     run.refresh_from_db()
     [call] = target.calls("/hook")
     assert run.due_at <= run.started_at  # the claim, in the store's clock
+    assert run.due_at <= run.events.get(type="claimed").at  # and so says its timeline
     assert run.due_at.timestamp() <= call.at <= run.due_at.timestamp() + LATE_BOUND  # one machine: one clock
     assert types(run) == ["scheduled", "claimed", "target_answered", "succeeded"]
 
