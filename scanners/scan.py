@@ -437,10 +437,11 @@ def _skip_times(job: Job, times: list[datetime], now: datetime, result: ScanResu
     result.skipped += len(created)
 
 
-# A message's runs not yet due are due within this many seconds of its first: the
-# worker holding it claims them as they come due (runs.services.CLAIM_WAVE), and a
-# narrow message leaves the next slice to another worker child.
-DUE_SLICE = 0.025
+def due_slice() -> float:
+    """Seconds within which a message's runs not yet due are due (of its first): half
+    the look-ahead. The worker holding it claims them as they come due
+    (runs.services.CLAIM_WAVE); the next slice goes to another worker child."""
+    return settings.SCHEDULER_LOOKAHEAD / 2
 
 
 def publish_runs(
@@ -462,11 +463,11 @@ def run_messages(
     """The messages for runs in due order: SCHEDULER_DISPATCH_BATCH to a message, each
     message's runs to one target host where the host is known (so one slow host's
     message does not carry another host's runs); runs not yet due at `now` (`due`
-    says when, for those queued ahead) in slices of DUE_SLICE. Runs already due go
+    says when, for those queued ahead) in slices of due_slice(). Runs already due go
     together, full batches as ever. The messages go out earliest first."""
     # More runs to one host than its bulkhead holds would only be put back to wait.
     size = max(1, min(settings.SCHEDULER_DISPATCH_BATCH, settings.SCHEDULER_TARGET_CONCURRENCY))
-    slice_ = timedelta(seconds=DUE_SLICE)
+    slice_ = timedelta(seconds=due_slice())
     open_by_host: dict[str, tuple[datetime | None, list[int]]] = {}
     messages: list[tuple[datetime | None, list[int]]] = []
     for run_id in run_ids:

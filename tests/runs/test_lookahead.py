@@ -29,7 +29,7 @@ from runs import services as run_services
 from runs.models import Run
 from runs.ops import target_pause
 from runs.services import run_execute, run_execute_many
-from scanners.scan import DUE_SLICE, run_messages, scan_once
+from scanners.scan import due_slice, run_messages, scan_once
 from tests.factories import make_job, make_run
 from tests.target import LoopbackTarget
 
@@ -90,11 +90,11 @@ def test_a_run_due_within_the_lookahead_is_queued_ahead_and_one_beyond_it_is_not
     assert soon.queued_at == now < soon.due_at  # queued before it is due, at the scan's time
 
 
-@override_settings(SCHEDULER_DISPATCH_BATCH=3, SCHEDULER_TARGET_CONCURRENCY=100)
+@override_settings(SCHEDULER_DISPATCH_BATCH=3, SCHEDULER_TARGET_CONCURRENCY=100, SCHEDULER_LOOKAHEAD=0.05)
 def test_messages_carry_runs_due_close_together_and_go_out_earliest_first() -> None:
     now = datetime(2026, 10, 28, 20, 30, tzinfo=timezone.utc)
     ms = lambda n: now + timedelta(milliseconds=n)  # noqa: E731
-    slice_ms = int(DUE_SLICE * 1000)
+    slice_ms = int(due_slice() * 1000)
     # Runs 1-4 due already (one host: a full batch, then the rest); 5-7 ahead on host a,
     # 8 ahead on host b; given in due order, as the scan reads them.
     due = {1: ms(-900), 2: ms(-500), 3: ms(-1), 4: ms(0), 8: ms(2), 5: ms(5), 6: ms(5 + slice_ms), 7: ms(6 + slice_ms)}
