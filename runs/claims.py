@@ -7,6 +7,7 @@ has a lower fence than the run's, so none of its writes can match.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
@@ -22,9 +23,11 @@ from runs.models import Run
 S = Run.Status
 
 # The claim: running, a fresh lease, fence plus one, attempt plus one -- only if
-# nobody holds a live lease (queued, or running with a lease that ran out) and
-# the run is not held. Raw SQL because the ORM cannot say RETURNING on update.
-# {now} and {until} are the store's clock (see store_clock_sql), never a worker's.
+# nobody holds a live lease (queued, or running with a lease that ran out), the
+# run is not held, and it is due. Raw SQL because the ORM cannot say RETURNING on
+# update. {now} and {until} are the store's clock (see store_clock_sql), never a
+# worker's: a run the scanner queued ahead of its due time (SCHEDULER_LOOKAHEAD)
+# cannot start early, however far ahead the worker's own clock runs.
 CLAIM_SQL = """
 UPDATE runs
    SET status = 'running',
@@ -35,6 +38,7 @@ UPDATE runs
        started_at = COALESCE(started_at, {now})
  WHERE id = %s
    AND held = %s
+   AND due_at <= {now}
    AND (status = 'queued' OR (status = 'running' AND lease_expires_at < {now}))
 RETURNING fence, attempt, started_at
 """
@@ -115,6 +119,18 @@ def store_now() -> datetime:
     return value
 
 
+def store_clock_offset() -> tuple[datetime, float]:
+    """The store's clock now, and how many seconds it is ahead of this process's
+    (negative: behind), from one store_now() read halfway between two local ones.
+    A worker waits for a run's due time on its own clock plus this offset, so the
+    wait is right on a machine whose clock is off; the claim's own check (CLAIM_SQL:
+    `due_at <= {now}`) is what keeps a run from starting early if it is still wrong."""
+    before = time.time()
+    now = store_now()
+    after = time.time()
+    return now, now.timestamp() - (before + after) / 2
+
+
 def store_clock_sql(plus: timedelta = timedelta(0)) -> tuple[str, list[object]]:
     """SQL for the store's clock plus `plus`, and its parameters. STATEMENT_TIMESTAMP:
     one instant per statement, so a batch's leases all end together."""
@@ -139,17 +155,19 @@ class StoreClock(Expression):
 
 def _claim_sql(template: str, lease: timedelta) -> tuple[str, list[object], list[object]]:
     """The claim statement in the store's clock: the SQL, the lease end's parameters
-    and the clock's (the clock is read twice after the lease end: started_at, the check)."""
+    and the clock's (read three times after the lease end: started_at, then the due
+    check and the lease check, which come after the id and held parameters)."""
     now_sql, now_params = store_clock_sql()
     until_sql, until_params = store_clock_sql(lease)
     return template.format(now=now_sql, until=until_sql), until_params, now_params
 
 
 def claim(*, run_id: int, worker: str, lease: timedelta) -> Claim | None:
-    """Take the run's lease. None means someone else has it: drop the message."""
+    """Take the run's lease. None means someone else has it, or it is not due yet
+    by the store's clock (see claim_many)."""
     sql, until, now = _claim_sql(CLAIM_SQL_WITHOUT_LEASE_CHECK if _fence_checks_disabled() else CLAIM_SQL, lease)
     with connection.cursor() as cursor:
-        cursor.execute(sql, [worker, *until, *now, run_id, False, *now])
+        cursor.execute(sql, [worker, *until, *now, run_id, False, *now, *now])
         row = cursor.fetchone()
     if row is None:
         return None
@@ -158,8 +176,9 @@ def claim(*, run_id: int, worker: str, lease: timedelta) -> Claim | None:
 
 
 def claim_many(*, run_ids: list[int], worker: str, lease: timedelta) -> list[Claim]:
-    """The claim for a batch of runs, one statement: the runs someone else holds
-    (or that are no longer queued) are simply not returned."""
+    """The claim for a batch of runs, one statement: the runs someone else holds,
+    that are no longer queued, or that are not due yet by the store's clock, are
+    simply not returned."""
     if not run_ids:
         return []
     template = CLAIM_SQL_WITHOUT_LEASE_CHECK if _fence_checks_disabled() else CLAIM_SQL
@@ -168,7 +187,7 @@ def claim_many(*, run_ids: list[int], worker: str, lease: timedelta) -> list[Cla
     assert "RETURNING id, fence, attempt, started_at" in template
     sql, until, now = _claim_sql(template, lease)
     with connection.cursor() as cursor:
-        cursor.execute(sql, [worker, *until, *now, *run_ids, False, *now])
+        cursor.execute(sql, [worker, *until, *now, *run_ids, False, *now, *now])
         rows = cursor.fetchall()
     return [
         Claim(run_id=int(r[0]), fence=int(r[1]), attempt=int(r[2]), worker=worker, started_at=_as_datetime(r[3]))
@@ -236,7 +255,9 @@ def _record_one(o: Outcome) -> bool:
 def may_claim(run: Run, now: datetime) -> bool:
     """The claim's condition, read without writing: whether to try at all. The
     claim itself still decides (someone may get there between the two). `now`
-    is the store's clock (store_now), the one the lease was written in."""
+    is the store's clock (store_now), the one the lease was written in. The due
+    time is not looked at: a run queued ahead of it is waited for, then claimed
+    (runs.services.run_execute_many)."""
     if run.held:
         return False
     if run.status == S.QUEUED:
@@ -335,10 +356,14 @@ def release_expired_leases(*, partitions: list[int], now: datetime, limit: int) 
 
 def touch_unclaimed(*, partitions: list[int], now: datetime, older_than: timedelta, limit: int) -> list[int]:
     """Queued runs no worker claimed in time: their message may be lost, publish again.
+    "In time" counts from the later of when the run was queued and when it is due: a
+    run queued ahead of its due time (SCHEDULER_LOOKAHEAD) is waited for by the
+    worker holding its message, so its time to be claimed starts at its due time.
     The oldest first, at most `limit`: the scanner's republish budget
     (scanners.scan.republish_budget), so a backlog is not sent twice."""
+    cut = now - older_than
     ids = _lock_ids(
-        Run.objects.filter(partition__in=partitions, status=S.QUEUED, queued_at__lt=now - older_than).order_by(
+        Run.objects.filter(partition__in=partitions, status=S.QUEUED, queued_at__lt=cut, due_at__lt=cut).order_by(
             "queued_at"
         ),
         limit,

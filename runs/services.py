@@ -11,9 +11,11 @@ import socket
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from datetime import timezone as dt_timezone
 
 from django.conf import settings
 from django.db import DatabaseError, InterfaceError, OperationalError, connection, transaction
@@ -476,12 +478,18 @@ def run_reopen(*, run: Run, job: Job, now: datetime, held: bool, not_before: dat
 
 class Heartbeat:
     """Keeps the leases (and the bulkhead slots) of a batch's calls alive while they
-    are in flight, from one thread of its own."""
+    are in flight, from one thread of its own. A batch whose runs are claimed in
+    waves (run_execute_many) adds each wave's calls as they start, and says when
+    the last has been added (`sealed`): until then, having nothing left to keep is
+    no reason to stop."""
 
-    def __init__(self, claims_: list[Claim], lease: timedelta, slots: list[bulkhead.Slot]) -> None:
+    def __init__(self, claims_: list[Claim], lease: timedelta, slots: list[bulkhead.Slot], *,
+                 sealed: bool = True) -> None:
         self.claims, self.lease, self.slots = list(claims_), lease, list(slots)
+        self.sealed = sealed
         self.stopped = threading.Event()
         self.lost: set[int] = set()
+        self.lock = threading.Lock()  # the beat against add()
         self.thread = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
 
     def __enter__(self) -> "Heartbeat":
@@ -490,7 +498,17 @@ class Heartbeat:
 
     def __exit__(self, *exc: object) -> None:
         self.stopped.set()
-        self.thread.join(timeout=5)
+        if self.thread.is_alive():
+            self.thread.join(timeout=5)
+
+    def add(self, claims_: list[Claim], slots: list[bulkhead.Slot]) -> None:
+        with self.lock:
+            self.claims += claims_
+            self.slots += slots
+
+    def seal(self) -> None:
+        with self.lock:
+            self.sealed = True
 
     def _beat(self) -> None:
         interval = max(0.5, self.lease.total_seconds() / 3)
@@ -503,21 +521,23 @@ class Heartbeat:
                     # costs one beat, not the lease: the next beat reconnects.
                     logger.warning("heartbeat for %d runs failed; trying again", len(self.claims), exc_info=True)
                     connection.close()
-                if len(self.lost) == len(self.claims) and not self.slots:
-                    return
+                with self.lock:
+                    if self.sealed and len(self.lost) == len(self.claims) and not self.slots:
+                        return
         finally:
             connection.close()
 
     def _beat_once(self) -> None:
-        now = claims.store_now()  # the leases' clock, not this machine's (docs/reliability.md)
-        for claim in self.claims:
-            if claim.run_id in self.lost:
-                continue
-            if not claims.heartbeat(run_id=claim.run_id, fence=claim.fence, lease=self.lease):
-                # Taken over: the call goes on, but its outcome will be refused.
-                self.lost.add(claim.run_id)
-        # A call still in flight to the host, taken over or not, holds its slot.
-        self.slots = bulkhead.extend_many(self.slots, now=now, lease=self.lease)
+        with self.lock:
+            now = claims.store_now()  # the leases' clock, not this machine's (docs/reliability.md)
+            for claim in self.claims:
+                if claim.run_id in self.lost:
+                    continue
+                if not claims.heartbeat(run_id=claim.run_id, fence=claim.fence, lease=self.lease):
+                    # Taken over: the call goes on, but its outcome will be refused.
+                    self.lost.add(claim.run_id)
+            # A call still in flight to the host, taken over or not, holds its slot.
+            self.slots = bulkhead.extend_many(self.slots, now=now, lease=self.lease)
 
 
 @dataclass
@@ -546,20 +566,43 @@ def run_execute(*, run_id: int, worker: str | None = None) -> str:
     return run_execute_many(run_ids=[run_id], worker=worker)[run_id]
 
 
+# Runs of a batch queued ahead of their due time (SCHEDULER_LOOKAHEAD) are claimed
+# in waves: the first waiting run and those due within CLAIM_WAVE seconds after it,
+# once the last of them is due. One claim statement a wave, for at most CLAIM_WAVE
+# more start lag for its first run (docs/performance.md).
+CLAIM_WAVE = 0.01
+# A claim refused because its run was not due yet by the store's clock (this
+# process's estimate of that clock was off) is tried again at the due time, this
+# many times at most; then the run goes back to `scheduled`, for the scanner.
+NOT_DUE_TRIES = 3
+
+
+def longest_wait() -> float:
+    """The longest a worker waits for a run queued ahead of its due time, in seconds:
+    twice the look-ahead, and at least 2 s. A run due later than that (a scanner whose
+    SCHEDULER_LOOKAHEAD is longer than this worker's, a clock far off) goes back to
+    `scheduled` at its due time instead of holding the worker."""
+    return max(2.0, 2 * settings.SCHEDULER_LOOKAHEAD)
+
+
 def run_execute_many(*, run_ids: list[int], worker: str | None = None) -> dict[int, str]:
     """A batch of runs (one message from the scanner): admit, claim, call the
     targets side by side, record what happened. Returns each run's outcome.
 
-    Admission (the target's breaker, then a bulkhead slot) comes before the claim,
-    so a run that may not be called yet goes back to `scheduled` without its
-    attempt or fence moving: waiting spends no try, and holds no worker. The
-    claim, the outcomes and the next runs are each one statement for the whole
-    batch; every write still names its run's fence.
+    Runs queued ahead of their due time are waited for here, in due order, and each
+    is claimed only once it is due, in waves (_Batch.run); the runs already due are
+    one wave. Admission (the target's breaker, then a bulkhead slot) comes just
+    before each wave's claim, so nothing is held while waiting, and a run that may
+    not be called yet goes back to `scheduled` without its attempt or fence moving:
+    waiting spends no try, and holds no worker. The claim is one statement a wave;
+    the outcomes and the next runs one statement for the whole batch, after its last
+    call; every write still names its run's fence.
     """
     worker = worker or default_worker_id()
-    lease = lease_length()
     outcomes: dict[int, str] = {}
-    now = claims.store_now()  # leases, slots and breakers are all in the store's clock
+    # Leases, slots, breakers and due times are all in the store's clock; the offset
+    # turns this machine's clock into it for the waits.
+    now, offset = claims.store_clock_offset()
     found = {r.pk: r for r in Run.objects.select_related("job").filter(pk__in=run_ids)}
     candidates = []
     for run_id in dict.fromkeys(run_ids):
@@ -568,13 +611,132 @@ def run_execute_many(*, run_ids: list[int], worker: str | None = None) -> dict[i
             outcomes[run_id] = "not_claimed"  # ended, held, or someone holds a live lease: drop it
         else:
             candidates.append(run)
-    gates = _admit(candidates, worker, lease, now, outcomes)
+    batch = _Batch(worker=worker, lease=lease_length(), outcomes=outcomes, offset=offset)
     try:
-        if gates:
-            _claim_and_call([r for r in candidates if r.pk in gates], worker, lease, gates, outcomes)
+        batch.run(candidates, now)
     finally:
-        _release(list(gates.values()))
+        batch.finish()
     return outcomes
+
+
+@dataclass
+class _Batch:
+    """One message's runs on their way through a worker: admitted, claimed and set
+    calling wave by wave as they come due; their outcomes recorded together at the end."""
+
+    worker: str
+    lease: timedelta
+    outcomes: dict[int, str]
+    offset: float  # seconds the store's clock is ahead of this process's
+    gates: dict[int, Gate] = field(default_factory=dict)
+    calls: list[Call] = field(default_factory=list)
+    in_flight: list[tuple[Call, Future[CallResult]]] = field(default_factory=list)
+    heartbeat: Heartbeat | None = None
+
+    def store_now(self) -> datetime:
+        return datetime.fromtimestamp(time.time() + self.offset, tz=dt_timezone.utc)
+
+    def run(self, runs: list[Run], now: datetime) -> None:
+        """Wave by wave, in due order, each once it is due by the store's clock."""
+        waiting = sorted(runs, key=lambda r: r.due_at)
+        tries: dict[int, int] = {}
+        given_up: list[Run] = []
+        for _ in range(len(runs) * (NOT_DUE_TRIES + 1)):  # a turn takes a wave; a run comes back a few times at most
+            if not waiting:
+                break
+            wave, rest = _next_wave(waiting, now)
+            if (wave[-1].due_at - now).total_seconds() > longest_wait():
+                break  # these, and every run after them, are not waited for
+            waiting = rest
+            self.sleep_until(wave[-1].due_at)
+            early = self.start(wave, self.store_now(), waiting[0].due_at if waiting else None)
+            if early:
+                # Refused as not due yet by the store's clock: this process's idea of it
+                # was off. Read it again, and wait by that read for these runs.
+                now, self.offset = claims.store_clock_offset()
+                time.sleep(max(0.0, (early[-1].due_at - now).total_seconds()))
+                for run in early:
+                    tries[run.pk] = tries.get(run.pk, 0) + 1
+                given_up += [run for run in early if tries[run.pk] > NOT_DUE_TRIES]
+                waiting = sorted(waiting + [run for run in early if tries[run.pk] <= NOT_DUE_TRIES],
+                                 key=lambda r: r.due_at)
+            now = self.store_now()
+        for run in given_up + waiting:  # back to `scheduled`, for the scanner to queue again when due
+            self.outcomes[run.pk] = _defer(run, now, run.due_at, "not_yet_due")
+
+    def sleep_until(self, when: datetime) -> None:
+        gap = (when - self.store_now()).total_seconds()
+        if gap > 0:
+            time.sleep(gap)
+
+    def start(self, wave: list[Run], now: datetime, next_due: datetime | None) -> list[Run]:
+        """Admit, claim and set calling one wave; returns its runs the claim found not
+        due yet. The calls go on while the batch waits for its next wave (`next_due`)."""
+        gates = _admit(wave, self.worker, self.lease, now, self.outcomes)
+        admitted = [run for run in wave if run.pk in gates]
+        if not admitted:
+            return []
+        taken, claimed_at = _claim_wave(admitted, self.worker, self.lease)
+        by_id = {c.run_id: c for c in taken}
+        early, calls = [], []
+        for run in admitted:
+            claim = by_id.get(run.pk)
+            if claim is None:
+                if run.due_at > claimed_at:
+                    early.append(run)
+                else:
+                    self.outcomes[run.pk] = "not_claimed"  # someone else holds it, or it is no longer queued
+                continue
+            run.fence, run.attempt = claim.fence, claim.attempt
+            calls.append(Call(run=run, claim=claim))
+        _release([gates.pop(run.pk) for run in admitted if run.pk not in by_id])
+        self.gates.update(gates)
+        _prepare(calls)
+        self.calls += calls
+        to_call = [c for c in calls if c.request is not None or c.message is not None]
+        if to_call:
+            self._keep_alive([c.claim for c in to_call], [gates[c.run.pk].slot for c in to_call])
+            until = None if next_due is None else time.monotonic() + (next_due - self.store_now()).total_seconds()
+            self.in_flight += _start_calls(to_call, {c.run.pk: gates[c.run.pk].host for c in to_call}, until)
+        return early
+
+    def _keep_alive(self, claims_: list[Claim], slots: list[bulkhead.Slot]) -> None:
+        if self.heartbeat is None:
+            self.heartbeat = Heartbeat(claims_, self.lease, slots, sealed=False).__enter__()
+        else:
+            self.heartbeat.add(claims_, slots)
+
+    def finish(self) -> None:
+        """The calls in flight to their end, the breakers told, the outcomes recorded
+        (one transaction for the batch); the slots released whatever happens."""
+        try:
+            if self.heartbeat is not None:
+                self.heartbeat.seal()
+            _finish_calls(self.in_flight, {call.run.pk: self.gates[call.run.pk].host for call, _ in self.in_flight})
+            if self.heartbeat is not None:
+                self.heartbeat.__exit__()
+            calls = self.calls
+            to_call = [c for c in calls if c.request is not None or c.message is not None]
+            # Failed before any call was made (e.g. a DNS failure): told to the breaker too.
+            failed_early = [c for c in calls if c.request is None and c.message is None and c.result is not None]
+            for call in to_call + failed_early:
+                self.gates[call.run.pk].called = True
+            _tell_breakers(to_call + failed_early, self.gates)
+            self.outcomes.update(run_record_outcomes(calls))
+        finally:
+            if self.heartbeat is not None:
+                self.heartbeat.__exit__()
+            _release(list(self.gates.values()))
+
+
+def _next_wave(waiting: list[Run], now: datetime) -> tuple[list[Run], list[Run]]:
+    """The runs to claim together next (`waiting` in due order), and the rest: every
+    run already due at `now` (a backlog goes in one statement, as it always has), or
+    else the first one and those due within CLAIM_WAVE after it."""
+    first = waiting[0].due_at
+    cut = now if first <= now else first + timedelta(seconds=CLAIM_WAVE)
+    count = next((i for i, run in enumerate(waiting) if run.due_at > cut), len(waiting))
+    return waiting[:count], waiting[count:]
 
 
 def _admit(runs: list[Run], worker: str, lease: timedelta, now: datetime, outcomes: dict[int, str]) -> dict[int, Gate]:
@@ -642,46 +804,31 @@ class Call:
 
 def run_claim_many(*, runs: list[Run], worker: str, lease: timedelta) -> list[Claim]:
     """The claim step of the run path, one transaction: the batch's runs claimed in one
-    statement (claims.claim_many: a run someone else holds is not returned), their
-    `claimed` events, and, for an overlap-allow job's run, its job's next run
-    (_detach_claimed). `runs` carry their job (select_related), read before the claim."""
+    statement (claims.claim_many: a run someone else holds, or not due yet, is not
+    returned), their `claimed` events, and, for an overlap-allow job's run, its job's
+    next run (_detach_claimed). `runs` carry their job (select_related), read before
+    the claim."""
+    return _claim_wave(runs, worker, lease)[0]
+
+
+def _claim_wave(runs: list[Run], worker: str, lease: timedelta) -> tuple[list[Claim], datetime]:
+    """run_claim_many, and the store's clock just before the claim: a run due after
+    that which was not taken may only have been early (the claim's own clock is later)."""
     with transaction.atomic():
         now = claims.store_now()
         # Overlap allow: those jobs are locked before any run row (the order an edit takes).
         allow_jobs = jobs_lock(r.job_id for r in runs if _may_detach(r, r.job))
         taken = claims.claim_many(run_ids=[r.pk for r in runs], worker=worker, lease=lease)
-        events.record_many(
-            (events.event(c.run_id, "claimed", now, fence=c.fence, worker=worker, attempt=c.attempt) for c in taken),
-            runs={r.pk: r for r in runs},  # as read before the claim: a first start has no started_at yet
-        )
         runs_by_id = {r.pk: r for r in runs}
+        # The claim's own clock is at least the due time (it checks) and at least `now`
+        # (read just before it): the event says no earlier than either.
+        events.record_many(
+            (events.event(c.run_id, "claimed", max(now, runs_by_id[c.run_id].due_at), fence=c.fence, worker=worker,
+                          attempt=c.attempt) for c in taken),
+            runs=runs_by_id,  # as read before the claim: a first start has no started_at yet
+        )
         _detach_claimed([(runs_by_id[c.run_id], c) for c in taken], allow_jobs, now)
-    return taken
-
-
-def _claim_and_call(
-    runs: list[Run], worker: str, lease: timedelta, gates: dict[int, Gate], outcomes: dict[int, str]
-) -> None:
-    taken = run_claim_many(runs=runs, worker=worker, lease=lease)
-    by_id = {c.run_id: c for c in taken}
-    calls = []
-    for run in runs:
-        claim = by_id.get(run.pk)
-        if claim is None:
-            outcomes[run.pk] = "not_claimed"  # someone else holds it, or it is no longer queued
-            continue
-        run.fence, run.attempt = claim.fence, claim.attempt
-        calls.append(Call(run=run, claim=claim))
-    _prepare(calls)
-    to_call = [c for c in calls if c.request is not None or c.message is not None]
-    with Heartbeat([c.claim for c in to_call], lease, [gates[c.run.pk].slot for c in to_call]):
-        _call_all(to_call, {c.run.pk: gates[c.run.pk].host for c in to_call})
-    # Failed before any call was made (e.g. a DNS failure): told to the breaker too.
-    failed_early = [c for c in calls if c.request is None and c.message is None and c.result is not None]
-    for call in to_call + failed_early:
-        gates[call.run.pk].called = True
-    _tell_breakers(to_call + failed_early, gates)
-    outcomes.update(run_record_outcomes(calls))
+    return taken, now
 
 
 # ------------------------------------------------------------------ overlap allow
@@ -845,22 +992,28 @@ QUICK_MS = 20.0  # a host this quick is called in turn: a thread hand-off costs 
 IN_TURN_FOR = 0.1  # seconds: the longest a batch calls in turn before the rest go side by side
 
 
-def _call_all(calls: list[Call], hosts: dict[int, str]) -> None:
-    """The batch's calls: side by side on the worker process's call pool; or, for
-    a host that has been answering within QUICK_MS, one after another on this
-    thread, for at most IN_TURN_FOR seconds (or until one is slow), and the rest
-    side by side."""
+def _start_calls(
+    calls: list[Call], hosts: dict[int, str], until: float | None = None
+) -> list[tuple[Call, Future[CallResult]]]:
+    """The calls of a wave: for a host that has been answering within QUICK_MS, one
+    after another on this thread, for at most IN_TURN_FOR seconds (or until one is
+    slow, or `until`, monotonic: when the batch's next wave is due); the rest side by
+    side on the worker process's call pool. Returns those still in flight. The last
+    call of a batch's last wave is made on this thread too: a hand-off would only wait."""
     rest = list(calls)
-    started = time.monotonic()
+    stop = time.monotonic() + IN_TURN_FOR if until is None else min(time.monotonic() + IN_TURN_FOR, until)
     while rest and (
-        len(rest) == 1
-        or (_recent_ms.get(hosts[rest[0].run.pk], 1e9) <= QUICK_MS and time.monotonic() - started < IN_TURN_FOR)
+        (len(rest) == 1 and until is None)
+        or (_recent_ms.get(hosts[rest[0].run.pk], 1e9) <= QUICK_MS and time.monotonic() < stop)
     ):
         call = rest.pop(0)
         call.result = _call_one(call)
         _note_duration(hosts[call.run.pk], call.result)
-    futures = [delivery.call_pool().submit(_call_one, c) for c in rest]
-    for call, future in zip(rest, futures):
+    return [(c, delivery.call_pool().submit(_call_one, c)) for c in rest]
+
+
+def _finish_calls(in_flight: list[tuple[Call, Future[CallResult]]], hosts: dict[int, str]) -> None:
+    for call, future in in_flight:
         call.result = future.result()
         _note_duration(hosts[call.run.pk], call.result)
 

@@ -76,13 +76,20 @@ def scan_once(*, partitions: list[int] | frozenset[int], now: datetime | None = 
     # Back-pressure: runs wait in the store, not in the broker (SCHEDULER_MAX_QUEUED).
     room = settings.SCHEDULER_MAX_QUEUED - claims.count_queued(partitions=parts)
     left = room
+    # Runs due within the look-ahead are queued now, published, and waited for by the
+    # worker, which claims each at its due time (runs.services.run_execute_many). Late
+    # or not is still decided at `now`.
+    horizon = now + timedelta(seconds=settings.SCHEDULER_LOOKAHEAD)
     while left > 0:
         limit = min(batch, left)
         with transaction.atomic():
-            due = list(claims.lock_due(partitions=parts, now=now, limit=limit).select_related("job").only(*DUE_FIELDS))
+            due = list(
+                claims.lock_due(partitions=parts, now=horizon, limit=limit).select_related("job").only(*DUE_FIELDS)
+            )
             queued = _queue_due(due, now, result)
         if publish and queued:
-            publish_runs([run.pk for run in queued], hosts={run.pk: _host(run.job) for run in queued})
+            publish_runs([run.pk for run in queued], hosts={run.pk: _host(run.job) for run in queued},
+                         due={run.pk: run.due_at for run in queued}, now=now)
         left -= len(queued)
         if len(due) < limit:
             break
@@ -498,19 +505,55 @@ def _skip_times(job: Job, times: list[datetime], now: datetime, result: ScanResu
     result.skipped += len(created)
 
 
-def publish_runs(run_ids: list[int], hosts: dict[int, str] | None = None) -> None:
-    """Runs onto the run queue over one broker connection, SCHEDULER_DISPATCH_BATCH
-    to a message, each message's runs to one target host where the host is known
-    (so one slow host's message does not carry another host's runs)."""
+def due_slice() -> float:
+    """Seconds within which a message's runs not yet due are due (of its first): half
+    the look-ahead. The worker holding it claims them as they come due
+    (runs.services.CLAIM_WAVE); the next slice goes to another worker child."""
+    return settings.SCHEDULER_LOOKAHEAD / 2
+
+
+def publish_runs(
+    run_ids: list[int], hosts: dict[int, str] | None = None, due: dict[int, datetime] | None = None,
+    now: datetime | None = None,
+) -> None:
+    """Runs onto the run queue over one broker connection (see run_messages)."""
     from runs.tasks import execute_runs
     from scheduler_project.celery import app
 
+    with app.producer_or_acquire() as producer:
+        for ids in run_messages(run_ids, hosts=hosts or {}, due=due or {}, now=now):
+            execute_runs.apply_async((ids,), producer=producer)
+
+
+def run_messages(
+    run_ids: list[int], *, hosts: dict[int, str], due: dict[int, datetime], now: datetime | None
+) -> list[list[int]]:
+    """The messages for runs in due order: SCHEDULER_DISPATCH_BATCH to a message, each
+    message's runs to one target host where the host is known (so one slow host's
+    message does not carry another host's runs); runs not yet due at `now` (`due`
+    says when, for those queued ahead) in slices of due_slice(). Runs already due go
+    together, full batches as ever. The messages go out earliest first."""
     # More runs to one host than its bulkhead holds would only be put back to wait.
     size = max(1, min(settings.SCHEDULER_DISPATCH_BATCH, settings.SCHEDULER_TARGET_CONCURRENCY))
-    groups: dict[str, list[int]] = {}
+    slice_ = timedelta(seconds=due_slice())
+    open_by_host: dict[str, tuple[datetime | None, list[int]]] = {}
+    messages: list[tuple[datetime | None, list[int]]] = []
     for run_id in run_ids:
-        groups.setdefault((hosts or {}).get(run_id, ""), []).append(run_id)
-    with app.producer_or_acquire() as producer:
-        for ids in groups.values():
-            for start in range(0, len(ids), size):
-                execute_runs.apply_async((ids[start : start + size],), producer=producer)
+        when = due.get(run_id)
+        starts = None if when is None or now is None or when <= now else when  # None: due already
+        host = hosts.get(run_id, "")
+        first, ids = open_by_host.get(host, (None, []))
+        if starts is None:
+            fits = first is None  # with the other runs already due
+        else:
+            fits = first is not None and starts - first <= slice_
+        fits = fits and len(ids) < size
+        if not ids or not fits:
+            ids = []
+            messages.append((starts, ids))
+            first = starts
+        ids.append(run_id)
+        open_by_host[host] = (first, ids)
+    due_now = [ids for starts, ids in messages if starts is None]
+    ahead = sorted((starts, i) for i, (starts, _) in enumerate(messages) if starts is not None)
+    return due_now + [messages[i][1] for _, i in ahead]

@@ -123,3 +123,24 @@ def test_a_skewed_worker_killed_mid_call_has_its_run_recovered_within_a_lease_an
     expired_at = RunEvent.objects.get(run=run, type="lease_expired").at
     assert expired_at > killed, (killed, expired_at)  # the live lease was not taken back before the kill
     assert Run.objects.get(pk=run.pk).status in (S.QUEUED, S.RUNNING)
+
+
+@pytest.mark.parametrize("offset", [-SKEW, SKEW], ids=["behind", "ahead"])
+def test_a_skewed_worker_calls_a_run_queued_ahead_at_its_due_time_by_the_stores_clock(
+        stack: Stack, target: LoopbackTarget, offset: int) -> None:  # noqa: F811
+    """SCHEDULER_LOOKAHEAD: the worker waits for the due time on its own clock corrected
+    by the store's (ahead by 120 s it would call at once, behind it would wait two
+    minutes); the claim refuses a run not yet due in any case."""
+    scanner = stack.scanner("scanner-true", SCHEDULER_LOOKAHEAD="2")
+    worker = skewed(stack, "worker-skewed", offset, worker_argv("worker-skewed"), SCHEDULER_LOOKAHEAD="2")
+    wait_for(lambda: "partitions [" in scanner.output() and " ready." in worker.output(), 45,
+             what="the scanner and the worker to start")
+    run = one_off(target.url("/ahead"), store_now() + timedelta(seconds=4))
+
+    [call] = wait_for(lambda: target.calls("/ahead"), 30, what="the call")
+    run.refresh_from_db()
+    queued = RunEvent.objects.get(run=run, type="queued").at
+    assert queued <= run.due_at - timedelta(seconds=1)  # queued ahead (scans every 0.5 s)
+    # The target and the store keep the true clock (one machine).
+    assert run.due_at.timestamp() <= call.at <= run.due_at.timestamp() + 1.0
+    assert types(run).count("claimed") == 1 and "not_yet_due" not in types(run)

@@ -514,10 +514,12 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def claimable(self) -> list[Run]:
         """The runs a worker could claim now; with none, the clock first moves on to the
-        next due run and a scan queues it (a worker waiting for work)."""
+        next due run and a scan queues it (a worker waiting for work). A run the scan
+        queued ahead of its due time (SCHEDULER_LOOKAHEAD) is not claimable until then."""
         for _ in range(2):
             now = self.now()
-            found = [r for r in Run.objects.select_related("job").order_by("pk") if claims.may_claim(r, now)]
+            found = [r for r in Run.objects.select_related("job").order_by("pk")
+                     if claims.may_claim(r, now) and r.due_at <= now]
             nxt = Run.objects.filter(status=S.SCHEDULED, held=False).order_by("due_at").first()
             if found or nxt is None:
                 return found
