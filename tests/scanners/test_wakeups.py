@@ -255,6 +255,8 @@ def test_writes_that_bring_no_work_sooner_notify_nobody(service: Any, listening:
     later = make_run(job, now + timedelta(days=7))  # due past the horizon
     Run.objects.filter(pk=later.pk).update(due_at=now + timedelta(days=8))
     Run.objects.filter(pk=later.pk).update(status=S.QUEUED, queued_at=now)
+    # A queued run's due time is no scanner's work; and the claim takes only a due run.
+    Run.objects.filter(pk=later.pk).update(due_at=now - timedelta(seconds=1))
     claim = claims.claim(run_id=later.pk, worker="w", lease=timedelta(seconds=60))
     assert claim is not None
     assert claims.heartbeat(run_id=later.pk, fence=claim.fence, lease=timedelta(seconds=60))
