@@ -45,19 +45,11 @@ BEGIN
     RETURN NULL;
 END $$;
 
-CREATE FUNCTION scheduler_wake_notices() RETURNS trigger LANGUAGE plpgsql AS $$
+CREATE FUNCTION scheduler_wake_named() RETURNS trigger LANGUAGE plpgsql AS $$
 DECLARE
     sent boolean;
 BEGIN
-    sent := pg_notify('scheduler_due', '0') IS NULL;
-    RETURN NULL;
-END $$;
-
-CREATE FUNCTION scheduler_wake_all() RETURNS trigger LANGUAGE plpgsql AS $$
-DECLARE
-    sent boolean;
-BEGIN
-    sent := pg_notify('scheduler_due', '*') IS NULL;
+    sent := pg_notify('scheduler_due', TG_ARGV[0]) IS NULL;  -- the trigger's argument: '0' or '*'
     RETURN NULL;
 END $$;
 
@@ -71,19 +63,19 @@ CREATE TRIGGER runs_wake_scanner_update AFTER UPDATE OF status, held, due_at ON 
 
 CREATE TRIGGER notices_wake_scanner_insert AFTER INSERT ON notices FOR EACH ROW
     WHEN ({NOTICE_WAKES})
-    EXECUTE FUNCTION scheduler_wake_notices();
+    EXECUTE FUNCTION scheduler_wake_named('0');
 
 CREATE TRIGGER notices_wake_scanner_update AFTER UPDATE OF status, due_at ON notices FOR EACH ROW
     WHEN ({NOTICE_WAKES} AND (OLD.status <> 'pending' OR NEW.due_at < OLD.due_at))
-    EXECUTE FUNCTION scheduler_wake_notices();
+    EXECUTE FUNCTION scheduler_wake_named('0');
 
 CREATE TRIGGER jobs_wake_scanner_insert AFTER INSERT ON jobs FOR EACH ROW
     WHEN ({RESUME_WAKES})
-    EXECUTE FUNCTION scheduler_wake_all();
+    EXECUTE FUNCTION scheduler_wake_named('*');
 
 CREATE TRIGGER jobs_wake_scanner_update AFTER UPDATE OF paused, paused_until ON jobs FOR EACH ROW
     WHEN ({RESUME_WAKES} AND (NOT OLD.paused OR OLD.paused_until IS NULL OR NEW.paused_until < OLD.paused_until))
-    EXECUTE FUNCTION scheduler_wake_all();
+    EXECUTE FUNCTION scheduler_wake_named('*');
 
 """
 BACKWARD = """
@@ -103,9 +95,7 @@ DROP TRIGGER IF EXISTS jobs_wake_scanner_insert ON jobs;
 
 DROP TRIGGER IF EXISTS jobs_wake_scanner_update ON jobs;
 
-DROP FUNCTION IF EXISTS scheduler_wake_notices();
-
-DROP FUNCTION IF EXISTS scheduler_wake_all();
+DROP FUNCTION IF EXISTS scheduler_wake_named();
 
 """
 

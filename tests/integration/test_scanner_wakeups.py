@@ -106,6 +106,20 @@ def test_a_run_written_while_the_scanner_sleeps_is_queued_at_its_due_time_not_an
     assert scanner.alive()
 
 
+def test_a_connection_the_server_ended_is_reopened_before_the_next_probe(stack: Stack) -> None:
+    scanner = sleeping_scanner(stack, SCHEDULER_SCAN_INTERVAL="30", SCHEDULER_DB_APPLICATION_NAME="wakeups-scanner")
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s",
+                       ["wakeups-scanner"])
+        assert [ok for (ok,) in cursor.fetchall()] == [True]
+    due = claims.store_now() + timedelta(seconds=0.3)
+    run = make_run(job(), due)
+    queued = wait_for(lambda: queued_at(run), 5, interval=0.02, what="the run to be queued")
+    print(f"due -> queued, its connection ended by the server meanwhile: {seconds(queued, due) * 1000:.0f} ms")
+    assert seconds(queued, due) < 0.5
+    assert scanner.alive() and "scan failed" not in scanner.output()
+
+
 @pytest.fixture
 def killer() -> Iterator[threading.Event]:
     """Ends every scanner LISTEN connection it sees, every 50 ms, until the event is

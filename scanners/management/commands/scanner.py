@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import select
 import signal
 import threading
 import time
@@ -130,10 +131,15 @@ class Command(BaseCommand):
     @staticmethod
     def _check_connection() -> None:
         """The health check, free of statements: a connection psycopg knows is closed
-        or broken is dropped, and the probe opens a new one. One the server dropped
-        unseen fails the probe instead: the turn fails and the next one reconnects."""
+        or broken, or one the server has written to while it sat idle (a server that
+        ends a connection says so, then closes it: pg_terminate_backend, a restart),
+        is dropped, and the probe opens a new one. One lost without a word (a host
+        gone) fails the probe instead: the turn fails and the next one reconnects."""
         raw = connection.connection
-        if raw is not None and (getattr(raw, "closed", False) or getattr(raw, "broken", False)):
+        if raw is None or connection.vendor != "postgresql":
+            return
+        if raw.closed or raw.broken or select.select([raw.pgconn.socket], [], [], 0)[0]:
+            logger.info("the scanner's database connection was closed by the server; opening a new one")
             connection.close()
 
     def _store_failed(self) -> None:
