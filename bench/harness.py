@@ -277,10 +277,29 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: 
     raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port nothing listens on. With BENCH_PORTS=LO-HI (a machine shared by
+    several runs, each given a range), the first free one of the range this process
+    has not handed out yet; otherwise any the kernel picks."""
+    lo, _, hi = os.environ.get("BENCH_PORTS", "").partition("-")
+    if not lo:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+    for port in range(int(lo), int(hi or lo) + 1):
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port left in BENCH_PORTS={lo}-{hi}")
 
 
 def percentile(values: list[float], q: float) -> float:
