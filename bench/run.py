@@ -1,9 +1,11 @@
 """Benches on the production layout: `python bench/run.py SCENARIO [options]`.
 
-Scenarios: sustained, spike, scan, beat, failover, limits, ops. Each prints a table
+Scenarios: sustained, spike, scan, beat, failover, limits, ops, restarts. Each prints a table
 and writes bench/results/<scenario>.json (with the machine it ran on).
 PostgreSQL and Redis must be up (scripts/test.sh leaves them so); the bench
-starts its own ZooKeeper on BENCH_ZK_PORT (21812) and its own target.
+starts its own ZooKeeper on BENCH_ZK_PORT (21812) and its own target (`restarts`
+runs a PostgreSQL, a Redis and a ZooKeeper of its own, on free ports or, with
+BENCH_PORTS=LO-HI, ports of that range).
 """
 from __future__ import annotations
 
@@ -47,6 +49,11 @@ def main() -> int:
     p.add_argument("--lease", type=int, default=10)
 
     sub.add_parser("limits", help="the parts' ceilings on this box")
+
+    p = sub.add_parser("restarts", help="PostgreSQL and Redis restarted under a steady load: time until runs flow")
+    from bench import restart_scenario
+
+    restart_scenario.add_options(p)
 
     p = sub.add_parser("ops", help="the dashboard, the system page and /metrics with 10^7 runs")
     p.add_argument("--runs", type=int, default=10_000_000, help="finished runs in the table")

@@ -315,3 +315,9 @@ def limits(args: argparse.Namespace) -> int:
     from bench import limits_scenario
 
     return limits_scenario.run(args)
+
+
+def restarts(args: argparse.Namespace) -> int:
+    from bench import restart_scenario
+
+    return restart_scenario.run(args)

@@ -52,11 +52,13 @@ class PrivateRedis:
         wait_for(self._ours, 10, "the private redis-server")
         return self.proc
 
-    def restart(self) -> tuple[float, float]:
-        """Stopped (SIGTERM: every client's connection closed, nothing saved) and
-        started again on the same port, empty. Returns (stop began, answering again)."""
+    def restart(self, hold: float = 0.0) -> tuple[float, float]:
+        """Stopped (SIGTERM: every client's connection closed, nothing saved), `hold`
+        seconds down, and started again on the same port, empty. Returns (stop began,
+        answering again)."""
         began = time.time()
         self.stop()
+        time.sleep(hold)
         self._start(self.proc.generation + 1)
         return began, time.time()
 
@@ -77,6 +79,9 @@ class PrivateRedis:
 
     def llen(self, key: str) -> int:
         return int(self._cli("LLEN", key).strip() or 0)
+
+    def hlen(self, key: str) -> int:
+        return int(self._cli("HLEN", key).strip() or 0)
 
     def flushall(self) -> None:
         if not self._ours():

@@ -30,14 +30,16 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 from bench.harness import free_port
 from tests.zkensemble import free_ports
 
 STANDBY_NAME = "standby1"
+S = TypeVar("S", bound="PgClusters")
 
 
 def pg_bin() -> Path | None:
@@ -178,22 +180,25 @@ class PgServer(PgClusters):
         done = self._run("pg_isready", "-h", "127.0.0.1", "-p", str(self.port), "-t", "1", timeout=10, check=False)
         return done.returncode == 0
 
-    def restart_fast(self) -> tuple[float, float]:
-        """`pg_ctl stop -m fast`, then a start. Returns (stop began, accepting again)."""
+    def restart_fast(self, hold: float = 0.0) -> tuple[float, float]:
+        """`pg_ctl stop -m fast`, `hold` seconds down, then a start. Returns (stop
+        began, accepting again)."""
         began = time.time()
         self._run("pg_ctl", "stop", "-m", "fast", "-w", "-t", "60", "-D", str(self.data), timeout=90)
+        time.sleep(hold)
         self._start(self.data, self.port, *self.SETTINGS)
         return began, time.time()
 
-    def restart_killed(self, timeout: float = 60) -> tuple[float, float]:
-        """`kill -9` of the postmaster (ours: the pid in its own data directory), then a
-        start, tried again while the dead postmaster's backends still hold its shared
-        memory. Returns (the kill, accepting again)."""
+    def restart_killed(self, hold: float = 0.0, timeout: float = 60) -> tuple[float, float]:
+        """`kill -9` of the postmaster (ours: the pid in its own data directory), `hold`
+        seconds down, then a start, tried again while the dead postmaster's backends
+        still hold its shared memory. Returns (the kill, accepting again)."""
         pid = self.postmaster_pid(self.data)
         if pid is None:
             raise RuntimeError(f"no postmaster.pid in {self.data}")
         began = time.time()
         os.kill(pid, signal.SIGKILL)
+        time.sleep(hold)
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -203,6 +208,22 @@ class PgServer(PgClusters):
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)
+
+
+@contextmanager
+def running(make: Callable[[], S]) -> Iterator[S]:
+    """A test's private server(s), started, stopped after; the test skipped where the
+    machine has no PostgreSQL server binaries or no runuser."""
+    import pytest
+
+    if pg_bin() is None or shutil.which("runuser") is None:
+        pytest.skip("needs the PostgreSQL server binaries (/usr/lib/postgresql/*/bin) and runuser")
+    made = make()
+    try:
+        made.start()
+        yield made
+    finally:
+        made.stop()
 
 
 @contextmanager

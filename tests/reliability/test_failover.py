@@ -14,7 +14,6 @@ on the promoted standby); docs/reliability.md records it.
 """
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ from django.db import connections
 from runs.models import Run, RunEvent
 from tests.counting_target import CountingTarget
 from tests.integration.conftest import ROOT, Stack, wait_for
-from tests.pgpair import PgPair, orm_on, pg_bin
+from tests.pgpair import PgPair, orm_on, running
 from tests.reliability.outages import ALL, all_succeeded, one_offs, owned, problems, status_counts, verdict
 
 pytestmark = [pytest.mark.integration, pytest.mark.zookeeper]
@@ -35,13 +34,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.zookeeper]
 
 @pytest.fixture
 def pair() -> Iterator[PgPair]:
-    if pg_bin() is None or shutil.which("runuser") is None:
-        pytest.skip("needs the PostgreSQL server binaries (/usr/lib/postgresql/*/bin) and runuser")
-    made = PgPair()
-    try:
-        yield made.start()
-    finally:
-        made.stop()
+    with running(PgPair) as made:
+        yield made
 
 
 def fresh_call_in_flight(target: CountingTarget) -> bool:
