@@ -2,9 +2,9 @@
 flow again: what the restart bench (`bench/run.py restarts`) and the CI test
 (tests/reliability/test_restarts.py) share.
 
-    runs = offered_load(target.url(), rate=300, first_at=..., seconds=200)
-    faults = inject(plan(3), pg, redis, target, rate=300, gap=12)
-    flows = time_to_flow(faults, runs, target.received(), rate=300)
+    runs = offered_load(target.url(), rate=200, first_at=..., seconds=180)
+    faults = inject(plan(3), pg, redis, target, rate=200, gap=12, warmup=20)
+    flows = time_to_flow(faults, run_records(runs), target.received(), rate=200)
 
 The faults, on private servers only (tests/pgpair.PgServer, bench/soak_stack.PrivateRedis):
 
@@ -36,6 +36,8 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from typing import Any, Protocol
+
+from bench.harness import percentile
 
 KINDS = ("pg_fast", "pg_kill", "redis_restart")
 RATE_BACK = 0.9  # of the offered rate
@@ -178,10 +180,7 @@ def time_to_flow(faults: list[Fault], records: list[RunRecord], calls: list[tupl
     of the runs due in the BASELINE_S seconds that end 5 s before the first fault (the
     steady state), from which `late_ok` is taken when not given (its p99 + 1 s)."""
     by_key = {r.key: r for r in records}
-    first: dict[str, float] = {}
-    for key, _, at in calls:
-        if key in by_key and at < first.get(key, float("inf")):
-            first[key] = at
+    first = {key: at for key, at in first_calls(calls).items() if key in by_key}
     starts = sorted(first.values())
     late = {key: at - by_key[key].due for key, at in first.items()}
     before = [late[r.key] for r in records
@@ -207,12 +206,18 @@ def time_to_flow(faults: list[Fault], records: list[RunRecord], calls: list[tupl
     return {"late_ok_s": late_ok, "lateness_before_faults": baseline, "faults": flows, "by_kind": by_kind(flows)}
 
 
-def latest(records: list[RunRecord], calls: list[tuple[str, int, float]], n: int = 5) -> list[tuple[int, float]]:
-    """The `n` runs that started latest after their due time (never started: first),
-    as (run id, seconds late)."""
+def first_calls(calls: list[tuple[str, int, float]]) -> dict[str, float]:
+    """Each key's first call: when its run started."""
     first: dict[str, float] = {}
     for key, _, at in calls:
         first[key] = min(at, first.get(key, at))
+    return first
+
+
+def latest(records: list[RunRecord], calls: list[tuple[str, int, float]], n: int = 5) -> list[tuple[int, float]]:
+    """The `n` runs that started latest after their due time (never started: first),
+    as (run id, seconds late)."""
+    first = first_calls(calls)
     late = [(r.run_id, first.get(r.key, float("inf")) - r.due) for r in records]
     return sorted(late, key=lambda item: -item[1])[:n]
 
@@ -233,9 +238,7 @@ def per_second(records: list[RunRecord], calls: list[tuple[str, int, float]]) ->
     if not records:
         return {"t0": None, "due": [], "started": []}
     t0 = min(r.due for r in records)
-    first: dict[str, float] = {}
-    for key, _, at in calls:
-        first[key] = min(at, first.get(key, at))
+    first = first_calls(calls)
     due, started = _buckets([r.due - t0 for r in records]), _buckets([at - t0 for at in first.values()])
     width = max(len(due), len(started))
     return {"t0": t0, "due": due + [0] * (width - len(due)), "started": started + [0] * (width - len(started))}
@@ -296,10 +299,7 @@ def _since(began: float, at: float | None) -> float | None:
 
 
 def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return round(ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))], 3)
+    return round(percentile(values, q), 3) if values else None
 
 
 def by_kind(flows: list[dict[str, Any]]) -> dict[str, Any]:
