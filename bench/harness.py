@@ -296,10 +296,34 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: 
     raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
 
 
+_last_handed_out = 0
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port nothing listens on. With BENCH_PORTS=LO-HI (a machine shared by
+    several runs, each given a range), the next free one of the range after the last
+    this process handed out (round the range, so that one not bound yet is not handed
+    out twice in a row); otherwise any the kernel picks."""
+    global _last_handed_out
+    lo, _, hi = os.environ.get("BENCH_PORTS", "").partition("-")
+    if not lo:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+    ports = list(range(int(lo), int(hi or lo) + 1))
+    start = ports.index(_last_handed_out) + 1 if _last_handed_out in ports else 0
+    for port in ports[start:] + ports[:start]:
+        with socket.socket() as s:
+            # As the servers bind (SO_REUSEADDR): a port that a closed connection left in
+            # TIME_WAIT is free for them; one a server listens on is not.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _last_handed_out = port
+        return port
+    raise RuntimeError(f"no free port left in BENCH_PORTS={lo}-{hi}")
 
 
 def percentile(values: list[float], q: float) -> float:

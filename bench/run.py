@@ -1,10 +1,12 @@
 """Benches on the production layout: `python bench/run.py SCENARIO [options]`.
 
-Scenarios: sustained, spike, scan, beat, failover, limits, ops, idle. Each prints a table
+Scenarios: sustained, spike, scan, beat, failover, limits, ops, idle, restarts. Each prints a table
 and writes bench/results/<scenario>.json (with the machine it ran on).
 PostgreSQL and Redis must be up (scripts/test.sh leaves them so); the bench
 starts its own ZooKeeper on BENCH_ZK_PORT (21812) and its own target on
-BENCH_TARGET_PORT (18081, and the next few ports for other scenarios).
+BENCH_TARGET_PORT (18081, and the next few ports for other scenarios); `restarts`
+runs a PostgreSQL, a Redis and a ZooKeeper of its own, on free ports or, with
+BENCH_PORTS=LO-HI, ports of that range.
 To run a scenario on an older commit's code: bench/baseline.py.
 """
 from __future__ import annotations
@@ -57,6 +59,11 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=2, help="the worker's children")
     p.add_argument("--pool", default="prefork", choices=["prefork", "threads", "solo"])
     p.add_argument("--out-name", default="idle", help="writes bench/results/<OUT_NAME>.json")
+
+    p = sub.add_parser("restarts", help="PostgreSQL and Redis restarted under a steady load: time until runs flow")
+    from bench import restart_scenario
+
+    restart_scenario.add_options(p)
 
     p = sub.add_parser("ops", help="the dashboard, the system page and /metrics with 10^7 runs")
     p.add_argument("--runs", type=int, default=10_000_000, help="finished runs in the table")

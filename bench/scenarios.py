@@ -380,3 +380,9 @@ def idle(args: argparse.Namespace) -> int:
     from bench import idle_scenario
 
     return idle_scenario.run(args)
+
+
+def restarts(args: argparse.Namespace) -> int:
+    from bench import restart_scenario
+
+    return restart_scenario.run(args)

@@ -33,6 +33,9 @@ the target applied twice (its own records), and runs the store records as
 applied under two fences (recorded_applied_twice). It prints one table, writes a
 JSON summary, and exits 1 if a run was missed, a run of a paused or deleted job
 started, an effect was applied twice (by either count), or an invariant broken.
+All along it samples the memory (RSS, and PSS) of every scanner, worker parent and
+child, the target and Redis every --memory-every seconds (bench/memory.py) into the
+JSON's `memory`; bench/plot_memory.py draws it.
 
 Bounded: it stops by itself (an alarm ends it after duration + settle + 10 minutes
 whatever happens), and everything it starts it stops, by process id.
@@ -58,6 +61,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.harness import group_pids  # noqa: E402
+from bench.memory import MemorySampler  # noqa: E402
 from bench.soak_actions import USER_KINDS, UserActions, judge, run_facts  # noqa: E402
 from bench.soak_stack import ROOT, ZK_TICK_S, Databases, Fleet, PrivateRedis, Target, ZooKeeper  # noqa: E402
 
@@ -106,6 +111,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--stop-on-violation", action="store_true", help="end the faults early once an invariant breaks")
     p.add_argument("--stop-on-duplicate", action="store_true",
                    help="end the faults early once a duplicate effect is found (either count)")
+    p.add_argument("--memory-every", type=float, default=15,
+                   help="seconds between samples of each process's RSS and PSS (bench/memory.py)")
     return p.parse_args(argv)
 
 
@@ -144,6 +151,7 @@ class Soak:
         self.zk_restarts: list[float] = []
         self.stop_stream = threading.Event()
         self.stopped_early = ""
+        self.memory = MemorySampler(self._memory_groups, every=args.memory_every)
 
     # ----------------------------------------------------------------- the layout
 
@@ -309,6 +317,7 @@ class Soak:
         plan = self.plan()  # before the job stream's thread also draws from `random`
         action_plan = self.plan(self.action_kinds, self.args.actions_per_kind, every=6)
         self.started = time.time()
+        self.memory.start()
         self.make_jobs()
         # User actions on a thread of their own, on their own plan: a fault that takes
         # seconds (a frozen worker) does not hold them back, nor they it.
@@ -497,6 +506,24 @@ class Soak:
     def fault_target_errors(self) -> dict[str, Any]:
         return self._misbehave("error", random.uniform(10, 20))
 
+    def _memory_groups(self) -> dict[str, list[tuple[str, int]]]:
+        """The processes whose memory is sampled, by kind (bench/memory.py)."""
+        assert self.fleet is not None and self.target is not None and self.redis is not None
+        groups: dict[str, list[tuple[str, int]]] = defaultdict(list)
+        for name, proc in self.fleet.procs.items():
+            label = f"{name}.{proc.generation}"
+            if name.startswith("scanner"):
+                groups["scanner"].append((label, proc.pid))
+                continue
+            groups["worker_parent"].append((label, proc.pid))
+            groups["worker_child"] += [(f"{label}-child", pid) for pid in group_pids(proc.pid) if pid != proc.pid]
+        if self.target.proc is not None:
+            master = self.target.proc.pid
+            groups["target"] += [("target-master" if pid == master else "target-worker", pid)
+                                 for pid in group_pids(master)]
+        groups["redis"].append(("redis", self.redis.proc.pid))
+        return groups
+
     def _owned_now(self, name: str) -> set[int]:
         assert self.fleet is not None
         lines = PARTITION_LINE.findall(self.fleet.procs[name].output())
@@ -524,6 +551,7 @@ class Soak:
         from runs import invariants
         from runs.models import BreakerTransition, Run, RunEvent
 
+        self.memory.stop()
         close_old_connections()
         measured_at = time.time()
         cutoff = utc(measured_at - self.args.margin)
@@ -599,6 +627,7 @@ class Soak:
             "handover": self.handovers(timeline),
         }
         report["unexpected_exits"] = self.unexpected_exits
+        report["memory"] = self.memory.report()
         report["ok"] = not (report["missed"] or report["effects_applied_twice"] or report["recorded_applied_twice"]
                             or report["invariant_violations"] or report["started_while_paused_or_deleted"]
                             or self.unexpected_exits)
@@ -755,6 +784,13 @@ def machine() -> dict[str, Any]:
             "python": platform.python_version(), "kernel": platform.release()}
 
 
+def memory_row(found: dict[str, Any], baseline_s: float) -> str:
+    end, growth = found["rss_kib_at_end"], found["max_rss_growth_pct"]
+    shown = f"RSS {end['median'] / 1024:.1f} MiB at the end (median)" if end else "RSS -"
+    return (f"{shown}, {found['processes']} processes, most growth from {baseline_s:g} s "
+            + (f"{growth:+.1f}%" if growth is not None else "-"))
+
+
 def table(report: dict[str, Any], args: argparse.Namespace) -> str:
     def span(s: dict[str, Any]) -> str:
         return f"n={s['n']}" if not s.get("n") else f"median {s['median']} s, max {s['max']} s (min {s['min']}, n={s['n']})"
@@ -800,6 +836,8 @@ def table(report: dict[str, Any], args: argparse.Namespace) -> str:
         ("  killed while no other scanner was scanning", span(h["scanner_death_without_a_scanning_survivor_s"])),
         ("handover: ZooKeeper restart -> all partitions scanned", span(h["zookeeper_restart_to_all_partitions_scanned_s"])),
     ]
+    rows += [(f"memory: {kind}", memory_row(found, report["memory"]["baseline_s"]))
+             for kind, found in sorted(report["memory"]["kinds"].items())]
     width = max(len(k) for k, _ in rows)
     head = (f"soak: {args.duration:g} s of faults + {args.settle:g} s settle, lease {args.lease} s, scan "
             f"{args.scan_interval:g} s, requeue after {args.requeue_after} s, ZooKeeper session {args.zk_session:g} s"

@@ -11,6 +11,7 @@ import os
 import re
 import socket
 import subprocess
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,13 +38,29 @@ CREATE TABLE IF NOT EXISTS soak_calls (
 
 
 class PrivateRedis:
-    """A redis-server of our own on a free port: FLUSHALL touches nothing else."""
+    """A redis-server of our own on a free port: FLUSHALL touches nothing else. No
+    persistence: a restart comes back empty, every message it held lost."""
 
-    def __init__(self, log_dir: Path) -> None:
-        self.port = free_port()
+    def __init__(self, log_dir: Path, port: int | None = None) -> None:
+        self.port, self.log_dir = port or free_port(), log_dir
+        self.proc = self._start(1)
+
+    def _start(self, generation: int) -> Proc:
         self.proc = Proc("redis", ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                   "--appendonly", "no", "--dir", str(log_dir)], dict(os.environ), log_dir)
+                                   "--appendonly", "no", "--dir", str(self.log_dir)], dict(os.environ), self.log_dir,
+                         generation)
         wait_for(self._ours, 10, "the private redis-server")
+        return self.proc
+
+    def restart(self, hold: float = 0.0) -> tuple[float, float]:
+        """Stopped (SIGTERM: every client's connection closed, nothing saved), `hold`
+        seconds down, and started again on the same port, empty. Returns (stop began,
+        answering again)."""
+        began = time.time()
+        self.stop()
+        time.sleep(hold)
+        self._start(self.proc.generation + 1)
+        return began, time.time()
 
     def _cli(self, *args: str) -> str:
         out = subprocess.run(["redis-cli", "-p", str(self.port), *args], capture_output=True, text=True, timeout=5)
@@ -62,6 +79,9 @@ class PrivateRedis:
 
     def llen(self, key: str) -> int:
         return int(self._cli("LLEN", key).strip() or 0)
+
+    def hlen(self, key: str) -> int:
+        return int(self._cli("HLEN", key).strip() or 0)
 
     def flushall(self) -> None:
         if not self._ours():

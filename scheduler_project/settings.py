@@ -334,6 +334,12 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 # ack on receipt (above), and only late-acked tasks are cancelled. Celery 6's default,
 # said here so that a connection loss does not warn about it.
 CELERY_WORKER_CANCEL_LONG_RUNNING_TASKS_ON_CONNECTION_LOSS = True
+# No remote control (`celery inspect` / `celery control`, the pidbox): the project never
+# broadcasts (a worker's heartbeat is a row, runs.workers), and on Redis the pidbox's
+# channel is what made a worker exit when the broker restarted while it held prefetched
+# messages (Celery 5.7 / kombu 5.7: "Unrecoverable error: AttributeError ... 'hostname'";
+# tests/reliability/test_restarts.py). One Redis connection per worker fewer, too.
+CELERY_WORKER_ENABLE_REMOTE_CONTROL = False
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 
 # Celery task targets (runs.publishing): where a task job's run publishes its task.

@@ -7,8 +7,8 @@ key already applied is answered again without applying (a replay, with
 a runs.invariants.Applied. Every call is recorded, whatever became of it, so a test
 can also see how often each key was sent.
 
-    target = CountingTarget().start()
-    target.delay(2.0)                 # each call takes this long (before it applies)
+    target = CountingTarget().start()   # CountingTarget(port): on a given port
+    target.delay(2.0)                   # each call takes this long (before it applies)
     ... target.url("/hook") ... target.applied() ... target.calls_per_key() ...
     target.stop()
 """
@@ -34,14 +34,15 @@ class Arrival:
 
 
 class CountingTarget:
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0) -> None:
         self._lock = threading.Lock()
         self._highest: dict[str, int] = {}
         self._applied: list[Applied] = []
+        self._applied_keys: set[str] = set()  # the same keys, for the admission (hundreds of calls a second)
         self._arrivals: list[Arrival] = []
         self._received: list[tuple[str, int, float]] = []  # (key, fence, at) as each call comes in
         self._delay = 0.0
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
@@ -79,7 +80,7 @@ class CountingTarget:
     def _admit(self, key: str, fence: int, run_id: str) -> str:
         """The receiver's rule, under the lock: one call per key decides at a time."""
         with self._lock:
-            applied = any(a.key == key for a in self._applied)
+            applied = key in self._applied_keys
             if fence < self._highest.get(key, 0):
                 outcome = "refused"
             else:
@@ -87,6 +88,7 @@ class CountingTarget:
                 outcome = "replayed" if applied else "applied"
                 if outcome == "applied":
                     self._applied.append(Applied(key, fence))
+                    self._applied_keys.add(key)
             self._arrivals.append(Arrival(key, fence, run_id, outcome, time.time()))
             return outcome
 

@@ -14,22 +14,19 @@ on the promoted standby); docs/reliability.md records it.
 """
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import datetime, timezone
 
 import pytest
 from django.db import connections
 
 from runs.models import Run, RunEvent
-from scheduler_project.settings import database_from_url
 from tests.counting_target import CountingTarget
 from tests.integration.conftest import ROOT, Stack, wait_for
-from tests.pgpair import PgPair, pg_bin
+from tests.pgpair import PgPair, orm_on, running
 from tests.reliability.outages import ALL, all_succeeded, one_offs, owned, problems, status_counts, verdict
 
 pytestmark = [pytest.mark.integration, pytest.mark.zookeeper]
@@ -37,36 +34,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.zookeeper]
 
 @pytest.fixture
 def pair() -> Iterator[PgPair]:
-    if pg_bin() is None or shutil.which("runuser") is None:
-        pytest.skip("needs the PostgreSQL server binaries (/usr/lib/postgresql/*/bin) and runuser")
-    made = PgPair()
-    try:
-        yield made.start()
-    finally:
-        made.stop()
-
-
-@pytest.fixture
-def counting_target() -> Iterator[CountingTarget]:
-    server = CountingTarget().start()
-    yield server
-    server.stop()
-
-
-@contextmanager
-def this_process_on(url: str) -> Iterator[None]:
-    """This test's own ORM on `url` (the pair) for the block, the test database after."""
-    conn = connections["default"]
-    saved = dict(conn.settings_dict)
-    conn.close()
-    conn.settings_dict.update({k: v for k, v in database_from_url(url).items()
-                               if k in ("HOST", "PORT", "NAME", "USER", "PASSWORD", "OPTIONS")})
-    try:
-        yield
-    finally:
-        conn.close()
-        conn.settings_dict.clear()
-        conn.settings_dict.update(saved)
+    with running(PgPair) as made:
+        yield made
 
 
 def fresh_call_in_flight(target: CountingTarget) -> bool:
@@ -84,7 +53,7 @@ def test_the_primary_killed_under_load_and_the_standby_promoted_loses_no_commit_
     stack.env.update(DATABASE_URL=url, SCHEDULER_LEASE_SECONDS=str(lease), SCHEDULER_REQUEUE_AFTER="5")
     subprocess.run([sys.executable, "manage.py", "migrate", "--verbosity", "0"], cwd=ROOT, env=stack.env,
                    check=True, timeout=120)
-    with this_process_on(url):
+    with orm_on(url):
         connection = connections["default"]
         assert connection.settings_dict["HOST"] == "127.0.0.1,127.0.0.1"
         scanner = stack.scanner("scanner")

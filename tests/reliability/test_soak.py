@@ -48,6 +48,11 @@ def test_a_short_soak_with_every_fault_kind_misses_no_run_and_applies_no_effect_
     assert summary["invariant_violations"] == 0, output
     assert summary["runs_due"] >= 20 and summary["succeeded"] >= summary["runs_due"] - summary["open_at_end"], output
     assert {kind: summary["faults"].get(kind, 0) for kind in KINDS} == {kind: 1 for kind in KINDS}, output
+    # The memory of every process kind, sampled all along (bench/memory.py): RSS, and PSS where readable.
+    memory = summary["memory"]
+    assert len(memory["samples"]) >= 5, memory["samples"]
+    assert {"scanner", "worker_parent", "worker_child", "target", "redis"} <= set(memory["kinds"]), memory["kinds"]
+    assert all(v["rss_kib"] > 1024 for sample in memory["samples"] for v in sample["processes"].values())
 
 
 def test_with_the_fence_bug_on_the_soak_reports_duplicate_effects_and_fails(tmp_path: Path) -> None:

@@ -1,0 +1,103 @@
+"""PostgreSQL and Redis restarted under load, with real scanner and worker processes
+on a private PostgreSQL (tests/pgpair.PgServer) and a private Redis without
+persistence (bench/soak_stack.PrivateRedis): one-off runs coming due at a steady rate
+to the counting target, and, once they flow, one restart of each kind
+(bench/restarts.py): PostgreSQL stopped fast and started, its postmaster killed
+(`kill -9`) and started (crash recovery), Redis stopped and started empty. No
+scanner or worker is restarted or told.
+
+Asserts: every run succeeds and none is applied twice (by the target's count and the
+store's record), nothing is queued twice, the project's invariants hold, every
+process is still alive, and after each restart runs flow again, bounded generously
+(this is not a timing test: the restart bench, `bench/run.py restarts`, measures).
+Prints each restart's time to flow; docs/reliability.md records them.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from bench import restarts
+from bench.soak_stack import PrivateRedis
+from tests.counting_target import CountingTarget
+from tests.integration.conftest import ROOT, Stack, wait_for
+from tests.pgpair import PgServer, orm_on, running
+from tests.reliability.outages import all_succeeded, one_offs, owned, problems, split, status_counts, verdict
+
+pytestmark = [pytest.mark.integration, pytest.mark.zookeeper]
+RATE, WARMUP, GAP, LEASE = 10, 6, 7, 5  # runs a second; seconds before the first restart and between two; lease
+FLOWS_WITHIN = 30  # seconds: generous, a bound on a hang, not a measure
+
+
+@pytest.fixture
+def pg() -> Iterator[PgServer]:
+    with running(PgServer) as server:
+        yield server
+
+
+def test_postgresql_and_redis_restarted_under_load_every_run_still_starts_once_and_runs_flow_again(
+        pg: PgServer, private_redis: PrivateRedis, stack: Stack, counting_target: CountingTarget) -> None:
+    pg.psql(pg.port, "create database sched")
+    url = pg.url("sched")
+    stack.env.update(DATABASE_URL=url, CELERY_BROKER_URL=private_redis.url,
+                     SCHEDULER_BULKHEAD_REDIS_URL=private_redis.url, SCHEDULER_LEASE_SECONDS=str(LEASE),
+                     SCHEDULER_REQUEUE_AFTER="5")
+    stack.env.pop("SCHEDULER_TASK_BROKER_URL", None)
+    subprocess.run([sys.executable, "manage.py", "migrate", "--verbosity", "0"], cwd=ROOT, env=stack.env,
+                   check=True, timeout=120)
+    with orm_on(url):
+        scanners = [stack.scanner("scanner-a"), stack.scanner("scanner-b")]
+        workers = [stack.worker("worker-a"), stack.worker("worker-b")]
+        wait_for(lambda: split(scanners) and all(" ready." in w.output() for w in workers), 40,
+                 what="the scanners to split the partitions and both workers to be ready")
+        seconds = 2 + WARMUP + len(restarts.KINDS) * (GAP + 3) + 6
+        runs = restarts.offered_load(counting_target.url(), rate=RATE, seconds=seconds,
+                                     first_at=datetime.now(timezone.utc) + timedelta(seconds=2))
+        faults = restarts.inject(list(restarts.KINDS), pg, private_redis, counting_target, rate=RATE, gap=GAP,
+                                 warmup=WARMUP, flow_timeout=FLOWS_WITHIN)
+        wait_for(lambda: all_succeeded(runs), 120, what=f"every run to succeed ({status_counts(runs)})",
+                 interval=0.5)
+        assert all(p.alive() for p in stack.procs), "a process died instead of reconnecting"
+        flows = restarts.time_to_flow(faults, restarts.run_records(runs), counting_target.received(), rate=RATE,
+                                      events=restarts.events_after(runs, ("requeued", "lease_expired")))
+        found = verdict(runs, counting_target, once_per_key=False)
+    for flow in flows["faults"]:
+        print(f"{flow['kind']}: down {flow['down_s']} s; first call {flow['first_call_s']} s, rate back "
+              f"{flow['rate_back_s']} s, caught up {flow['caught_up_s']} s after it began; latest start "
+              f"{flow['max_late_s']} s past due; requeued {flow.get('requeued_after', 0)}, "
+              f"leases taken back {flow.get('lease_expired_after', 0)}")
+    print(f"{found['runs']} runs at {RATE}/s, lateness before the restarts {flows['lateness_before_faults']}")
+    assert problems(found) == {}, found
+    assert [f["kind"] for f in flows["faults"]] == list(restarts.KINDS)
+    for flow in flows["faults"]:
+        assert flow["first_call_s"] is not None and flow["first_call_s"] < FLOWS_WITHIN, flow
+        assert flow["caught_up_s"] is not None, flow
+
+
+def test_a_worker_holding_prefetched_messages_survives_a_redis_restart(
+        private_redis: PrivateRedis, stack: Stack, counting_target: CountingTarget) -> None:
+    """Celery 5.7's worker, on losing its Redis connection while it holds prefetched
+    (unacked) messages, closed its connection twice; with remote control on, the second
+    close tried to give the messages back through a transport already let go
+    (kombu: AttributeError, 'NoneType' object has no attribute 'hostname') and the worker
+    exited: "Unrecoverable error". Remote control is off now
+    (CELERY_WORKER_ENABLE_REMOTE_CONTROL): the project never broadcasts."""
+    stack.env.update(CELERY_BROKER_URL=private_redis.url, SCHEDULER_BULKHEAD_REDIS_URL=private_redis.url,
+                     SCHEDULER_DISPATCH_BATCH="1", SCHEDULER_REQUEUE_AFTER="3", SCHEDULER_LEASE_SECONDS="5")
+    counting_target.delay(2.0)
+    worker = stack.worker("worker-a", concurrency=1)  # one call at a time: the other messages wait prefetched
+    scanner = stack.scanner("scanner-a")
+    wait_for(lambda: owned(scanner) and " ready." in worker.output(), 40, what="the scanner and the worker")
+    runs = one_offs(counting_target.url(), first_in=0, seconds=1, per_second=4)  # four messages at once
+    wait_for(lambda: counting_target.received(), 20, interval=0.05, what="the first call")
+    # kombu keeps a delivered message in Redis's `unacked` hash until the worker acks it (on start).
+    wait_for(lambda: private_redis.hlen("unacked") >= 3, 10, interval=0.05,
+             what="the worker to hold the other three messages, prefetched")
+    private_redis.restart()
+    wait_for(lambda: all_succeeded(runs) or not worker.alive(), 60, what=f"every run to succeed ({status_counts(runs)})")
+    assert worker.alive(), worker.output()[-3000:]
+    assert all_succeeded(runs)
