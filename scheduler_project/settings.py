@@ -361,8 +361,9 @@ SCHEDULER_SCAN_INTERVAL = float(env_str("SCHEDULER_SCAN_INTERVAL", "1") or 1)
 # publish, the broker and the worker's pickup happen before the run is due, and the
 # worker waits for the due time, then claims it (the claim refuses a run not yet
 # due by the store's clock). Long enough to hide that path, short enough that a
-# waiting message holds a worker child only briefly (docs/performance.md). 0: off.
-SCHEDULER_LOOKAHEAD = float(env_str("SCHEDULER_LOOKAHEAD", "0.05") or 0)
+# waiting message holds a worker child only briefly; 0.1 by measurement (docs/performance.md,
+# "Start lag"). 0: off.
+SCHEDULER_LOOKAHEAD = float(env_str("SCHEDULER_LOOKAHEAD", "0.1") or 0)
 if SCHEDULER_LOOKAHEAD < 0:
     raise ImproperlyConfigured(f"SCHEDULER_LOOKAHEAD must be 0 or more seconds, not {SCHEDULER_LOOKAHEAD}")
 SCHEDULER_MISFIRE_GRACE = env_int("SCHEDULER_MISFIRE_GRACE", 60)

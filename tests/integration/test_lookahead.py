@@ -72,7 +72,10 @@ def test_a_worker_killed_while_waiting_loses_nothing(
     queue = stack.env["SCHEDULER_RUN_QUEUE"]
 
     wait_for(lambda: Run.objects.get(pk=run.pk).status == S.QUEUED, 30, what="the run to be queued ahead")
-    wait_for(lambda: private_redis.llen(queue) == 0, 10, what="the worker to take the message")
+    # Published (after the scan's commit) and taken: the worker logs it at INFO.
+    wait_for(lambda: "runs.execute_runs" in doomed.output() and "received" in doomed.output(), 10,
+             what="the worker to receive the message")
+    assert private_redis.llen(queue) == 0
     assert datetime.now(dt_timezone.utc) < run.due_at - timedelta(seconds=1), "the test was too slow to kill in time"
     doomed.kill()  # kill -9 while it waits for the due time
 
