@@ -59,7 +59,10 @@ def main() -> int:
     p.add_argument("--sample-seconds", type=float, default=10.0, help="the time series' step")
     p.add_argument("--baseline-into", default="", metavar="PATH",
                    help="write this run's figures under `baseline` in PATH (a run from an older commit's tree)")
-    p.add_argument("--no-plot", action="store_true", help="skip bench/results/store-growth.png")
+    p.add_argument("--vacuum-every", type=float, default=60.0,
+                   help="seconds; on a server with autovacuum off, apply autovacuum's rule this often (0: never)")
+    p.add_argument("--out-name", default="store", help="writes bench/results/<OUT_NAME>.json and <OUT_NAME>-growth.png")
+    p.add_argument("--no-plot", action="store_true", help="skip the plot")
     scenarios.add_layout_options(p)
 
     args = parser.parse_args()

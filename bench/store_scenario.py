@@ -20,10 +20,14 @@ The load is `sustained`'s (`rate * 60` every-minute jobs, each run spread over a
   too) and deletes over the same interval, per table.
 - **over time**, every `--sample-seconds`: each table's and index's size, live
   and dead tuples, autovacuums, and the WAL position, for a plot of a long run.
+- **vacuum**: on a server with autovacuum off (a CI configuration) nothing is
+  reclaimed during the run, so the bench applies autovacuum's own rule itself
+  every `--vacuum-every` seconds (0: never); with autovacuum on, it leaves it be.
 
 `--baseline-into PATH` (run from a tree of an older commit with today's bench/
 overlaid) writes this run's figures under `baseline` in PATH; a plain run keeps
-the `baseline` already in bench/results/store.json.
+the `baseline` already in bench/results/store.json (or <OUT_NAME>.json with
+`--out-name`; the plot goes to <OUT_NAME>-growth.png).
 """
 from __future__ import annotations
 
@@ -39,7 +43,6 @@ from bench import harness, scenarios
 from bench.harness import print_table, write_result
 
 UTC = timezone.utc
-RESULT = harness.ROOT / "bench" / "results" / "store.json"
 QUIET_SECONDS = 10
 SLOT = f"store_{harness.BENCH_DB}"[:63]
 
@@ -147,7 +150,8 @@ def _measure(args: argparse.Namespace, layout: harness.Layout, stats_dir: Path) 
     scenarios._sleep_until(first)
     before = _snapshot()
     stmts0 = scenarios._statements(stats_dir)
-    series = _sample_until(end + timedelta(seconds=2), args.sample_seconds, before)
+    vacuum_every = 0.0 if _autovacuum_on() else args.vacuum_every
+    series = _sample_until(end + timedelta(seconds=2), args.sample_seconds, before, vacuum_every)
     scenarios._stop_processes_after_drain(layout, time.time() + 60, lambda: scenarios._count_open_due(end))
     scenarios._stop_target(target)
     time.sleep(1.5)  # backends flush their table counters on exit
@@ -165,7 +169,17 @@ def _measure(args: argparse.Namespace, layout: harness.Layout, stats_dir: Path) 
         "first": first, "end": end, "quiet": quiet, "before": before, "after": after, "series": series,
         "finished": finished, "unvacuumed": unvacuumed, "vacuumed": vacuumed, "statements": stmts,
         "vacuum_wal": (vacuum_lsn0, vacuum_lsn1), "load_start": load_start, "load_end": load_end,
+        "vacuum": {"server_autovacuum": "on" if _autovacuum_on() else "off", "bench_vacuum_every_s": vacuum_every,
+                   "bench_vacuums": _count_vacuums(series)},
     }
+
+
+def _count_vacuums(series: list[dict[str, Any]]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for point in series:
+        for table in point.get("vacuumed", []):
+            counts[table] = counts.get(table, 0) + 1
+    return counts
 
 
 def _load_average() -> list[float]:
@@ -248,9 +262,15 @@ def _table_stats() -> dict[str, dict[str, int]]:
     return {row[0]: dict(zip(keys, (int(v) for v in row[1:]))) for row in _rows(TABLE_STATS_SQL)}
 
 
+def _checkpoints() -> int:
+    """Checkpoints of the cluster so far: after each, a page's first change writes its full image."""
+    return int(_one("SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter"))
+
+
 def _snapshot() -> dict[str, Any]:
     _rows("SELECT 1 FROM pg_stat_clear_snapshot()")
-    return {"t": time.time(), "lsn": _lsn(), "stat_wal": _stat_wal(), "stats": _table_stats(), "sizes": _sizes()}
+    return {"t": time.time(), "lsn": _lsn(), "stat_wal": _stat_wal(), "checkpoints": _checkpoints(),
+            "stats": _table_stats(), "sizes": _sizes()}
 
 
 def _sample(snap: dict[str, Any], start: dict[str, Any]) -> dict[str, Any]:
@@ -258,19 +278,53 @@ def _sample(snap: dict[str, Any], start: dict[str, Any]) -> dict[str, Any]:
     runs_inserted = snap["stats"].get("runs", {}).get("ins", 0) - start["stats"].get("runs", {}).get("ins", 0)
     tables = {}
     for name, size in snap["sizes"]["tables"].items():
-        st = snap["stats"].get(name, {})
-        if size["total"] > 16384 or st.get("ins"):
+        st, was = snap["stats"].get(name, {}), start["stats"].get(name, {})
+        written = any(st.get(k, 0) != was.get(k, 0) for k in ("ins", "upd", "del"))
+        if written or size["total"] != start["sizes"]["tables"].get(name, {}).get("total"):
             tables[name] = {**size, "live": st.get("live", 0), "dead": st.get("dead", 0),
                             "autovacuums": st.get("autovacuums", 0), "index_sizes": snap["sizes"]["indexes"].get(name, {})}
-    return {"s": round(snap["t"] - start["t"], 1), "lsn": snap["lsn"], "runs_inserted": runs_inserted, "tables": tables}
+    return {"s": round(snap["t"] - start["t"], 1), "lsn": snap["lsn"], "runs_inserted": runs_inserted,
+            "checkpoints": snap["checkpoints"] - start["checkpoints"], "tables": tables}
 
 
-def _sample_until(until: datetime, every: float, start: dict[str, Any]) -> list[dict[str, Any]]:
+def _sample_until(until: datetime, every: float, start: dict[str, Any], vacuum_every: float) -> list[dict[str, Any]]:
     series = [_sample(start, start)]
+    vacuum_at = time.time() + vacuum_every
     while time.time() < until.timestamp():
         time.sleep(max(0.0, min(every, until.timestamp() - time.time())))
-        series.append(_sample(_snapshot(), start))
+        vacuumed = []
+        if vacuum_every and time.time() >= vacuum_at:
+            vacuumed, vacuum_at = _vacuum_due(), time.time() + vacuum_every
+        series.append({**_sample(_snapshot(), start), "vacuumed": vacuumed})
     return series
+
+
+# Autovacuum's own rule (the server's settings), for a server that runs with it off:
+# dead tuples past threshold + scale factor x reltuples, or inserts since the last
+# vacuum past the insert threshold and its scale factor.
+VACUUM_DUE_SQL = """
+SELECT s.relname
+FROM pg_stat_user_tables s JOIN pg_class c ON c.oid = s.relid
+WHERE s.schemaname = 'public' AND (
+      s.n_dead_tup > current_setting('autovacuum_vacuum_threshold')::float
+                   + current_setting('autovacuum_vacuum_scale_factor')::float * greatest(c.reltuples, 0)
+   OR s.n_ins_since_vacuum > current_setting('autovacuum_vacuum_insert_threshold')::float
+                   + current_setting('autovacuum_vacuum_insert_scale_factor')::float * greatest(c.reltuples, 0))
+ORDER BY s.relname
+"""
+
+
+def _vacuum_due() -> list[str]:
+    """What autovacuum would vacuum now; vacuumed here (this bench's stand-in for it)."""
+    _rows("SELECT 1 FROM pg_stat_clear_snapshot()")
+    tables = [row[0] for row in _rows(VACUUM_DUE_SQL)]
+    for table in tables:
+        _vacuum(f'VACUUM "{table}"')
+    return tables
+
+
+def _autovacuum_on() -> bool:
+    return str(_one("SHOW autovacuum")) == "on"
 
 
 def _finished_runs() -> int:
@@ -281,7 +335,7 @@ def _wal_by_owner(lsns: list[str]) -> dict[str, Any]:
     """WAL records between consecutive positions, by owner, and ours by relation and record type."""
     db = _db_oid()
     by_owner: dict[str, dict[str, int]] = {}
-    by_filenode: dict[int, dict[str, int]] = {}
+    by_filenode: dict[tuple[int, str], dict[str, int]] = {}
     by_type: dict[str, dict[str, int]] = {}
     per_interval: list[int] = []
     _wait_flushed(lsns[-1])
@@ -296,7 +350,7 @@ def _wal_by_owner(lsns: list[str]) -> dict[str, Any]:
                 own += int(length)
                 _add(by_type.setdefault(kind, {}), n, length, fpi)
                 if filenode is not None:
-                    _add(by_filenode.setdefault(int(filenode), {}), n, length, fpi)
+                    _add(by_filenode.setdefault((int(filenode), kind), {}), n, length, fpi)
         per_interval.append(own)
     return {"by_owner": by_owner, "by_filenode": by_filenode, "by_type": by_type, "per_interval": per_interval}
 
@@ -307,27 +361,36 @@ def _add(into: dict[str, int], n: int, length: int, fpi: int) -> None:
     into["fpi_bytes"] = into.get("fpi_bytes", 0) + int(fpi)
 
 
-def _wal_by_relation(by_filenode: dict[int, dict[str, int]]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Ours by relation (index, table, TOAST) and summed by the table each belongs to."""
-    names = {int(f): (rel, table, ns) for f, rel, table, ns in _rows(RELATION_OF_FILENODE_SQL, [list(by_filenode)])}
-    by_relation: dict[str, dict[str, int]] = {}
+def _wal_by_relation(by_filenode: dict[tuple[int, str], dict[str, int]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Ours by relation (index, table, TOAST; with its record types) and summed by the
+    table each belongs to."""
+    filenodes = sorted({f for f, _ in by_filenode})
+    names = {int(f): (rel, table, ns) for f, rel, table, ns in _rows(RELATION_OF_FILENODE_SQL, [filenodes])}
+    by_relation: dict[str, dict[str, Any]] = {}
     by_table: dict[str, dict[str, int]] = {}
-    for filenode, counts in by_filenode.items():
+    for (filenode, kind), counts in by_filenode.items():
         rel, table, ns = names.get(filenode, (f"filenode {filenode}", "(dropped or rewritten since)", ""))
         if table.startswith("pg_"):
             rel = table = "catalogs"
         elif ns == "pg_toast":
             rel = f"{table} (TOAST)"
-        _add(by_relation.setdefault(rel, {}), counts["records"], counts["bytes"], counts["fpi_bytes"])
+        one = by_relation.setdefault(rel, {"types": {}})
+        _add(one, counts["records"], counts["bytes"], counts["fpi_bytes"])
+        _add(one["types"].setdefault(kind, {}), counts["records"], counts["bytes"], counts["fpi_bytes"])
         _add(by_table.setdefault(table, {}), counts["records"], counts["bytes"], counts["fpi_bytes"])
     return by_relation, by_table
 
 
-def _per_run(counts: dict[str, dict[str, int]], finished: int) -> dict[str, dict[str, float]]:
-    return {
-        name: {k: round(v / finished, 2) for k, v in c.items()}
-        for name, c in sorted(counts.items(), key=lambda kv: -kv[1]["bytes"])
-    }
+def _per_run(counts: dict[str, dict[str, Any]], finished: int) -> dict[str, dict[str, Any]]:
+    """Each entry's counts per finished run, biggest first; those under a byte a run left out."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, c in sorted(counts.items(), key=lambda kv: -kv[1]["bytes"]):
+        if c["bytes"] / finished < 1:
+            continue
+        out[name] = {k: round(v / finished, 2) for k, v in c.items() if k != "types"}
+        if "types" in c:
+            out[name]["types"] = _per_run(c["types"], finished)
+    return out
 
 
 def _bytes_breakdown(start: dict[str, Any], end: dict[str, Any], finished: int) -> dict[str, Any]:
@@ -412,11 +475,17 @@ def _figures(args: argparse.Namespace, m: dict[str, Any]) -> dict[str, Any]:
     seconds = after["t"] - before["t"]
     return {
         "load_average": {"start": m["load_start"], "end": m["load_end"]},
+        "vacuum": m["vacuum"],
         "bytes_per_run": round(sum(t["total"] for t in bytes_tables.values()), 1),
         "bytes_per_run_before_vacuum": round(
             sum(t["total"] for t in _bytes_breakdown(before["sizes"], m["unvacuumed"], finished).values()), 1
         ),
         "wal_bytes_per_run": round(own["bytes"] / finished, 1),
+        # Full-page images follow the cluster's checkpoints, which on a shared server the
+        # other databases' WAL sets the pace of: this part compares across runs.
+        "wal_bytes_per_run_without_fpi": round((own["bytes"] - own["fpi_bytes"]) / finished, 1),
+        "checkpoints_during": after["checkpoints"] - before["checkpoints"],
+        "seconds_measured": round(seconds, 1),
         "row_writes_per_run": row_writes,
         "runs_finished": m["finished"],
         "runs_due": args.rate * 60 * args.minutes,
@@ -469,14 +538,15 @@ def _report(args: argparse.Namespace, figures: dict[str, Any]) -> None:
         path.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
         print("baseline written into", path)
         return
-    if RESULT.exists():
-        kept = json.loads(RESULT.read_text()).get("baseline")
+    out = harness.ROOT / "bench" / "results" / f"{args.out_name}.json"
+    if out.exists():
+        kept = json.loads(out.read_text()).get("baseline")
         if kept:
             figures["baseline"] = kept
             _add_ratios(figures)
-    print("written", write_result("store", figures))
+    print("written", write_result(args.out_name, figures))
     if not args.no_plot:
-        print("plot", _plot(figures))
+        print("plot", _plot(figures, f"{args.out_name}-growth.png"))
 
 
 def _add_ratios(doc: dict[str, Any]) -> None:
@@ -484,7 +554,8 @@ def _add_ratios(doc: dict[str, Any]) -> None:
     if "bytes_per_run" not in doc or not base:
         return
     doc["ratio_to_baseline"] = {
-        k: round(doc[k] / base[k], 3) for k in ("bytes_per_run", "wal_bytes_per_run", "row_writes_per_run") if base.get(k)
+        k: round(doc[k] / base[k], 3) for k in ("bytes_per_run", "wal_bytes_per_run", "wal_bytes_per_run_without_fpi", "row_writes_per_run")
+        if base.get(k)
     }
 
 
@@ -496,7 +567,7 @@ def _print(f: dict[str, Any]) -> None:
         print(f"  WAL {name}: {w['bytes']} B/run in {w['records']} records")
 
 
-def _plot(f: dict[str, Any]) -> str:
+def _plot(f: dict[str, Any], file_name: str) -> str:
     """Table sizes and dead tuples over the run: the picture of a long run's growth."""
     try:
         import matplotlib
@@ -520,7 +591,10 @@ def _plot(f: dict[str, Any]) -> str:
     top.legend(fontsize=8)
     bottom.legend(fontsize=8)
     fig.tight_layout()
-    path = harness.ROOT / "bench" / "results" / "store-growth.png"
+    for point in series:
+        if point.get("vacuumed"):
+            bottom.axvline(point["s"] / 60, color="grey", linewidth=0.5, linestyle=":")
+    path = harness.ROOT / "bench" / "results" / file_name
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return str(path.relative_to(harness.ROOT))
