@@ -119,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         layout.cleanup()
         harness.stop_zookeeper()
+        harness.shutil.rmtree(stats_dir, ignore_errors=True)
         slot.close()  # the temporary slot goes with its session
     _report(args, figures)
     return 0
