@@ -1,6 +1,6 @@
 """Benches on the production layout: `python bench/run.py SCENARIO [options]`.
 
-Scenarios: sustained, spike, scan, beat, failover, limits, ops, idle, restarts. Each prints a table
+Scenarios: sustained, spike, scan, beat, failover, limits, ops, idle, restarts, store. Each prints a table
 and writes bench/results/<scenario>.json (with the machine it ran on).
 PostgreSQL and Redis must be up (scripts/test.sh leaves them so); the bench
 starts its own ZooKeeper on BENCH_ZK_PORT (21812) and its own target on
@@ -69,6 +69,18 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=10_000_000, help="finished runs in the table")
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--reuse", action="store_true", help="keep the bench database if it holds the rows already")
+
+    p = sub.add_parser("store", help="bytes, WAL and row writes per finished run in PostgreSQL, under a sustained load")
+    p.add_argument("--rate", type=int, default=500, help="offered runs per second")
+    p.add_argument("--minutes", type=int, default=2, help="the measured part (the issue's long run: 30)")
+    p.add_argument("--sample-seconds", type=float, default=10.0, help="the time series' step")
+    p.add_argument("--baseline-into", default="", metavar="PATH",
+                   help="write this run's figures under `baseline` in PATH (a run from an older commit's tree)")
+    p.add_argument("--vacuum-every", type=float, default=60.0,
+                   help="seconds; on a server with autovacuum off, apply autovacuum's rule this often (0: never)")
+    p.add_argument("--out-name", default="store", help="writes bench/results/<OUT_NAME>.json and <OUT_NAME>-growth.png")
+    p.add_argument("--no-plot", action="store_true", help="skip the plot")
+    scenarios.add_layout_options(p)
 
     args = parser.parse_args()
     return int(getattr(scenarios, args.scenario)(args) or 0)

@@ -364,6 +364,12 @@ def beat(args: argparse.Namespace) -> int:
     return beat_scenario.run(args)
 
 
+def store(args: argparse.Namespace) -> int:
+    from bench import store_scenario
+
+    return store_scenario.run(args)
+
+
 def failover(args: argparse.Namespace) -> int:
     from bench import failover_scenario
 
