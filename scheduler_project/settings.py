@@ -100,7 +100,53 @@ def database_from_url(url: str) -> dict:
     return config
 
 
+def database_link_options(config: dict, *, tcp_timeout: int, connect_timeout: int) -> dict:
+    """libpq's bounds on a silent link, for a PostgreSQL config (database_from_url's):
+    without them a process whose database host vanishes without a word (a partition,
+    a dead host: no reset, no end of file) waits in its statement, or its connect,
+    for the kernel's defaults, minutes to hours.
+
+    - `tcp_user_timeout` (ms): bytes sent and not acknowledged for this long end the
+      connection (a statement, a commit, a connect's handshake on a dead link).
+    - TCP keepalives: a connection waiting for an answer, or idle in the pool, with
+      nothing arriving for `tcp_timeout` seconds is probed, and ended when the
+      probes go unanswered (with tcp_user_timeout set, Linux ends it once that much
+      time has passed since the last byte came in). A long statement is not cut: the
+      server's kernel answers the probes while the server works.
+    - `connect_timeout` (s): the longest one try at a host may take (each host of a
+      multi-host URL gets its own).
+
+    A value in the URL's own query string wins (dj-database-url put it in OPTIONS).
+    `tcp_timeout` 0 leaves keepalives and tcp_user_timeout to libpq's defaults;
+    `connect_timeout` 0 leaves that one to libpq (no limit)."""
+    if config.get("ENGINE") != "django.db.backends.postgresql":
+        return config
+    options = config.setdefault("OPTIONS", {})
+    if tcp_timeout > 0:
+        count = 3
+        interval = max(1, tcp_timeout // 6)
+        for key, value in (("keepalives", 1), ("keepalives_idle", max(1, tcp_timeout - count * interval)),
+                           ("keepalives_interval", interval), ("keepalives_count", count),
+                           ("tcp_user_timeout", tcp_timeout * 1000)):
+            options.setdefault(key, value)
+    if connect_timeout > 0:
+        options.setdefault("connect_timeout", connect_timeout)
+    return config
+
+
+def env_seconds(name: str, default: int) -> int:
+    value = env_int(name, default)
+    if value < 0:
+        raise ImproperlyConfigured(f"{name} must be 0 or more seconds, not {value}")
+    return value
+
+
 EMBEDDED = not env_str("DATABASE_URL")
+# A database host that goes silent costs a statement at most this long, not the
+# kernel's minutes (database_link_options; docs/deploy.md, "A silent database link").
+SCHEDULER_DB_TCP_TIMEOUT = env_seconds("SCHEDULER_DB_TCP_TIMEOUT", 30)
+SCHEDULER_DB_CONNECT_TIMEOUT = env_seconds("SCHEDULER_DB_CONNECT_TIMEOUT", 10)
+
 
 if EMBEDDED:
     DATA_DIR.mkdir(parents=True, exist_ok=True)
@@ -119,7 +165,9 @@ if EMBEDDED:
     }
     SECRET_KEY = env_str("SECRET_KEY") or embedded_secret_key()
 else:
-    DATABASES = {"default": database_from_url(env_str("DATABASE_URL"))}
+    DATABASES = {"default": database_link_options(database_from_url(env_str("DATABASE_URL")),
+                                                  tcp_timeout=SCHEDULER_DB_TCP_TIMEOUT,
+                                                  connect_timeout=SCHEDULER_DB_CONNECT_TIMEOUT)}
     if env_str("SCHEDULER_DB_APPLICATION_NAME"):
         # Names this process's connections in pg_stat_activity (the soak finds a worker's by it).
         DATABASES["default"].setdefault("OPTIONS", {})["application_name"] = env_str("SCHEDULER_DB_APPLICATION_NAME")
