@@ -21,10 +21,12 @@ import time
 
 
 class NetProxy:
-    def __init__(self, upstream_port: int, upstream_host: str = "127.0.0.1") -> None:
+    def __init__(self, upstream_port: int, upstream_host: str = "127.0.0.1", listen_host: str = "127.0.0.1") -> None:
+        # listen_host: loopback, or the host side of a test namespace's own link (tests/netns.py).
         assert upstream_host in ("127.0.0.1", "localhost", "::1"), "loopback targets only"
         self.upstream = (upstream_host, upstream_port)
-        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.listen_host = listen_host
+        self._listener = socket.create_server((listen_host, 0))
         self._listener.setblocking(False)
         self._dropping = threading.Event()
         self._stopping = threading.Event()
@@ -39,7 +41,7 @@ class NetProxy:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.listen_host}:{self.port}"
 
     def start(self) -> "NetProxy":
         self._thread.start()

@@ -62,6 +62,10 @@ class Stack:
             "--without-heartbeat", "--without-gossip", "--without-mingle",
         ]
 
+    def command(self, name: str, argv: list[str], **env: str) -> Proc:
+        """Any other process of the test's (argv as given, from the project's root)."""
+        return self._start(name, argv, env)
+
     def _start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
         proc = Proc(name, argv, {**self.env, **(env or {})}, self.log_dir)
         self.procs.append(proc)

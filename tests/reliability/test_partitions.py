@@ -13,10 +13,17 @@ as a real partition does; nobody sees a reset. The other processes keep their li
   the link returns (while the new holder's call is in flight) the cut-off worker's
   late outcome is refused by the fence.
 
+- A process whose PostgreSQL link goes silent at the packet level (tests/netns.py: a
+  namespace of the test's own, its link's host side set down; nothing acknowledged,
+  as with a dead host) gets an error within SCHEDULER_DB_TCP_TIMEOUT, where the same
+  process with the bounds off is still waiting, and talks to the store again once
+  the link returns.
+
 Each prints its handover times; docs/reliability.md records them.
 """
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator
 from urllib.parse import urlsplit
@@ -27,6 +34,7 @@ from django.db import close_old_connections
 from runs.models import Run, RunEvent
 from tests.counting_target import CountingTarget
 from tests.integration.conftest import Stack, wait_for
+from tests.netns import LinksUnavailable, SilentLinks
 from tests.netproxy import NetProxy
 from tests.reliability.outages import (
     ALL, all_succeeded, first_line_after, one_offs, overlaps, owned, problems, split, status_counts, verdict,
@@ -146,3 +154,59 @@ def test_a_worker_cut_off_from_postgresql_mid_call_is_taken_over_under_a_newer_f
     # The lease was last renewed before the cut: it runs out within a lease of it, and a scan later it is back.
     assert taken_back <= lease + 2 * scan + 1, taken_back
     assert problems(found) == {}
+
+
+@pytest.fixture
+def silent_links() -> Iterator[SilentLinks]:
+    try:
+        links = SilentLinks({"pg": 5432}).start()
+    except LinksUnavailable as exc:
+        pytest.skip(f"no network namespace here: {exc}")
+    yield links
+    links.stop()
+
+
+def _probe_lines(proc: object, kind: str, after: float) -> list[list[str]]:
+    lines = [line.split(" ", 3) for line in proc.output().splitlines()]  # type: ignore[attr-defined]
+    return [parts for parts in lines if parts[0] == kind and len(parts) > 1 and float(parts[1]) > after]
+
+
+def test_a_process_whose_database_link_goes_silent_gets_an_error_within_its_tcp_timeout_and_recovers(
+        stack: Stack, silent_links: SilentLinks) -> None:
+    tcp, connect = 6, 3
+    db = urlsplit(stack.env["DATABASE_URL"])
+    url = db._replace(netloc=f"{db.username}@{silent_links.address('pg')}").geturl()
+    probe = silent_links.argv([sys.executable, "-m", "tests.db_probe", "--seconds", "90"])
+    bounded = stack.command("probe-bounded", probe, DATABASE_URL=url, SCHEDULER_DB_TCP_TIMEOUT=str(tcp),
+                            SCHEDULER_DB_CONNECT_TIMEOUT=str(connect))
+    # The same process with the bounds off: what every process did before them.
+    unbounded = stack.command("probe-unbounded", probe, DATABASE_URL=url, SCHEDULER_DB_TCP_TIMEOUT="0",
+                              SCHEDULER_DB_CONNECT_TIMEOUT="0")
+    wait_for(lambda: all(_probe_lines(p, "ok", 0) for p in (bounded, unbounded)), 30,
+             what="both probes to reach the store through the link")
+
+    cut_at = silent_links.cut("pg")
+    first_error = wait_for(lambda: _probe_lines(bounded, "error", cut_at), tcp + 10, interval=0.05,
+                           what="the bounded probe's statement to fail")[0]
+    failed_after = float(first_error[1]) - cut_at
+    # Cut off for twice the timeout: the bounded probe keeps failing (each connect bounded
+    # too), never hangs; the unbounded one is still in the statement the cut caught.
+    wait_for(lambda: time.time() > cut_at + 2 * tcp, 3 * tcp, what="the cut to last")
+    errors_while_cut = _probe_lines(bounded, "error", cut_at)
+    unbounded_ok_during = _probe_lines(unbounded, "ok", cut_at + 1)
+    unbounded_errors = _probe_lines(unbounded, "error", cut_at)
+
+    restored_at = silent_links.restore("pg")
+    back = wait_for(lambda: _probe_lines(bounded, "ok", restored_at), connect + tcp + 10, interval=0.05,
+                    what="the bounded probe to reach the store again")[0]
+    wait_for(lambda: _probe_lines(unbounded, "ok", restored_at), 30, what="the unbounded probe's statement to end")
+    print(f"silent database link (tcp timeout {tcp} s, connect timeout {connect} s): the statement in flight "
+          f"failed {failed_after:.2f} s after the cut ({first_error[3]!r}); {len(errors_while_cut)} errors in "
+          f"{2 * tcp} s while cut, no hang; store reached again {float(back[1]) - restored_at:.2f} s after the link "
+          f"came back; with the bounds off: {len(unbounded_errors)} errors, still waiting in its statement")
+    assert 0 < failed_after <= tcp + 1.5, failed_after
+    assert "timed out" in first_error[3].lower() or "timeout" in first_error[3].lower(), first_error
+    # Each try while cut is bounded by the connect timeout (a SYN is never answered either).
+    assert len(errors_while_cut) >= 2, errors_while_cut
+    assert float(back[1]) - restored_at <= connect + 1.5
+    assert unbounded_errors == [] and unbounded_ok_during == [], (unbounded_errors, unbounded_ok_during)
