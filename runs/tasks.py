@@ -5,7 +5,9 @@ import os
 import threading
 
 from celery import Task, shared_task
+from django.db import InterfaceError, OperationalError
 
+from runs import storegate
 from runs.services import run_execute_many
 
 
@@ -15,9 +17,18 @@ def _worker(task: Task) -> str:
 
 
 @shared_task(bind=True, name="runs.execute_runs", ignore_result=True)
-def execute_runs(self: Task, run_ids: list[int]) -> dict[int, str]:
-    """A batch of due runs, as the scanner published them (runs to one target host)."""
-    return run_execute_many(run_ids=[int(i) for i in run_ids], worker=_worker(self))
+def execute_runs(self: Task, run_ids: list[int], handbacks: int = 0) -> dict[int, str]:
+    """A batch of due runs, as the scanner published them (runs to one target host).
+    While this worker cannot reach the store, handed back at once (runs.storegate)."""
+    ids = [int(i) for i in run_ids]
+    if storegate.is_closed():
+        handed = storegate.hand_back(ids, handbacks=handbacks, why="this worker cannot reach the store")
+        return dict.fromkeys(ids, "handed_back" if handed else "not_claimed")
+    try:
+        return run_execute_many(run_ids=ids, worker=_worker(self))
+    except (OperationalError, InterfaceError):
+        storegate.hand_back(ids, handbacks=handbacks, why="the store's own trouble")
+        raise
 
 
 @shared_task(bind=True, name="runs.execute_run", ignore_result=True)

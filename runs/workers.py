@@ -21,6 +21,7 @@ from django.conf import settings
 from django.db import close_old_connections, connection
 from django.utils import timezone
 
+from runs import storegate
 from runs.models import Run, WorkerHeartbeat
 
 logger = logging.getLogger(__name__)
@@ -49,21 +50,31 @@ def worker_stopped(*, name: str, now: datetime | None = None) -> None:
     WorkerHeartbeat.objects.filter(name=name).update(stopped_at=now or timezone.now(), in_flight=0)
 
 
-def start(name: str) -> threading.Thread:
-    """The heartbeat thread of this worker process (a daemon: it dies with the process)."""
+def start(name: str, consumer: object = None) -> threading.Thread:
+    """The heartbeat thread of this worker process (a daemon: it dies with the process).
+    Its beats also tell the store gate (runs.storegate) whether the store is in reach:
+    while it is not, the worker takes no run messages (`consumer`: Celery's), and it
+    beats every second, to open the gate again soon after the store is back."""
     started_at = timezone.now()
     host = socket.gethostname()
     _stop.clear()
+    gate = storegate.Gate(*storegate.consumer_switches(consumer))
 
     def loop() -> None:
         while not _stop.is_set():
+            gate.beat_started()
             try:
                 close_old_connections()
                 worker_beat(name=name, host=host, started_at=started_at)
+                gate.beat_ended(ok=True)
             except Exception:  # noqa: BLE001 - a missed beat shows on the page; the worker goes on
+                gate.beat_ended(ok=False)
                 logger.warning("worker heartbeat of %s not written", name, exc_info=True)
-                connection.close()
-            _stop.wait(interval())
+                try:
+                    connection.close()
+                except Exception:  # noqa: BLE001 - a broken link: the next beat connects again
+                    pass
+            _stop.wait(min(1.0, interval()) if storegate.is_closed() else interval())
         connection.close()
 
     thread = threading.Thread(target=loop, name="scheduler-heartbeat", daemon=True)

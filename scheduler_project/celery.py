@@ -7,6 +7,9 @@ from celery import Celery
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "scheduler_project.settings")
 
+# Before the pool forks: the store gate's flag is memory the children share (runs.storegate).
+import runs.storegate  # noqa: E402,F401
+
 app = Celery("scheduler_project")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks(["runs"])
@@ -21,7 +24,8 @@ from celery.signals import worker_ready, worker_shutdown  # noqa: E402
 def _start_heartbeat(sender: object = None, **_: object) -> None:
     from runs import workers
 
-    workers.start(getattr(sender, "hostname", None) or "worker")
+    # The sender is the worker's consumer: the store gate stops and resumes its run queue.
+    workers.start(getattr(sender, "hostname", None) or "worker", consumer=sender)
 
 
 @worker_shutdown.connect

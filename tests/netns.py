@@ -96,6 +96,12 @@ class SilentLinks:
         _ip("neigh", "replace", ns_ip, "lladdr", ns_mac, "dev", host_dev, "nud", "permanent")
         self._proxies[name] = NetProxy(port, listen_host=host_ip).start()
 
+    def route_via(self, name: str) -> None:
+        """A default route in the namespace through `name`'s link: its processes reach
+        the root namespace's own addresses (another namespace's link, say) through it."""
+        host_ip = self._proxies[name].listen_host
+        _ip("-n", self.namespace, "route", "add", "default", "via", host_ip)
+
     def address(self, name: str) -> str:
         """host:port that a process inside the namespace connects to for `name`."""
         return self._proxies[name].address

@@ -26,6 +26,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Iterator
+from datetime import datetime, timezone
 from urllib.parse import urlsplit
 
 import pytest
@@ -210,3 +211,93 @@ def test_a_process_whose_database_link_goes_silent_gets_an_error_within_its_tcp_
     assert len(errors_while_cut) >= 2, errors_while_cut
     assert float(back[1]) - restored_at <= connect + 1.5
     assert unbounded_errors == [] and unbounded_ok_during == [], (unbounded_errors, unbounded_ok_during)
+
+
+def _start_lags(run_ids: list[int], since: float, until: float) -> list[tuple[float, str]]:
+    """For each run due in [since, until): seconds from its due time to the claim it
+    succeeded under, and the worker (Celery node name) that made that claim."""
+    close_old_connections()
+    lo, hi = (datetime.fromtimestamp(t, timezone.utc) for t in (since, until))
+    due = dict(Run.objects.filter(pk__in=run_ids, due_at__gte=lo, due_at__lt=hi).values_list("pk", "due_at"))
+    last: dict[int, RunEvent] = {}
+    for event in RunEvent.objects.filter(run_id__in=due, type="claimed").order_by("id"):
+        last[event.run_id] = event
+    return sorted(((last[pk].at - due[pk]).total_seconds(), last[pk].detail["worker"].split("@", 1)[0])
+                  for pk in due if pk in last)
+
+
+@pytest.mark.parametrize("gate", ["on", "off"])
+def test_a_worker_cut_off_from_postgresql_under_load_stops_taking_runs_and_the_other_worker_starts_them(
+        stack: Stack, counting_target: CountingTarget, gate: str) -> None:
+    """Two workers under load, each in a network namespace of its own behind links of
+    the same kind (so that they share the broker's messages as equals); one's
+    PostgreSQL link goes silent (packet level) for 20 s while it still reaches Redis.
+    With the store gate (runs.storegate) it stops taking run messages and hands back
+    those it holds: its share starts on the other worker within a few seconds, none
+    waits for SCHEDULER_REQUEUE_AFTER. `off` is the code before the gate
+    (SCHEDULER_TEST_NO_STORE_GATE), measured the same way."""
+    lease, requeue, tcp, connect, cut_for = 6, 20, 5, 3, 20
+    scan = float(stack.env["SCHEDULER_SCAN_INTERVAL"])
+    broker = urlsplit(stack.env["CELERY_BROKER_URL"])
+    if broker.scheme != "redis":
+        pytest.skip("the workers reach their broker through links of the test's: Redis here")
+    db = urlsplit(stack.env["DATABASE_URL"])
+    upstreams = {"pg": db.port or 5432, "redis": broker.port or 6379, "target": counting_target.server.server_address[1]}
+    links: dict[str, SilentLinks] = {}
+    stack.env.update(SCHEDULER_LEASE_SECONDS=str(lease), SCHEDULER_REQUEUE_AFTER=str(requeue),
+                     SCHEDULER_WORKER_HEARTBEAT="1", SCHEDULER_DB_TCP_TIMEOUT=str(tcp),
+                     SCHEDULER_DB_CONNECT_TIMEOUT=str(connect))
+    try:
+        try:
+            for name in ("worker-cut", "worker-other"):
+                links[name] = SilentLinks(upstreams).start()
+                links[name].route_via("target")  # the one target URL, on worker-cut's target link
+        except LinksUnavailable as exc:
+            pytest.skip(f"no network namespace here: {exc}")
+        workers = {}
+        for name, link in links.items():
+            redis_url = broker._replace(netloc=link.address("redis")).geturl()
+            env = {"DATABASE_URL": db._replace(netloc=f"{db.username}@{link.address('pg')}").geturl(),
+                   "CELERY_BROKER_URL": redis_url, "SCHEDULER_BULKHEAD_REDIS_URL": redis_url,
+                   "SCHEDULER_TASK_BROKER_URL": redis_url}
+            if gate == "off":
+                env.update(SCHEDULER_TESTING="1", SCHEDULER_TEST_NO_STORE_GATE="1")
+            workers[name] = stack.command(name, link.argv(Stack.worker_argv(name)), **env)
+        cut, other = workers["worker-cut"], workers["worker-other"]
+        stack.scanner("scanner")
+        wait_for(lambda: all(" ready." in w.output() for w in (cut, other)), 40, what="both workers to be ready")
+        counting_target.delay(0.5)
+        runs = one_offs(f"http://{links['worker-cut'].address('target')}/hook", first_in=1, seconds=44, per_second=3)
+        wait_for(lambda: {w for _, w in _start_lags(runs, 0, time.time())} == {"worker-cut", "worker-other"}, 30,
+                 what="both workers to start runs")
+        cut_at = links["worker-cut"].cut("pg")
+        wait_for(lambda: time.time() > cut_at + cut_for, cut_for + 5, what="the cut to last")
+        restored_at = links["worker-cut"].restore("pg")
+        if gate == "on":
+            wait_for(lambda: "store reached again" in cut.output(), 3 * tcp, what="the gate to open again")
+        wait_for(lambda: all_succeeded(runs), requeue + 60, what=f"every run to succeed ({status_counts(runs)})")
+    finally:
+        for link in links.values():
+            link.stop()
+    found = verdict(runs, counting_target, once_per_key=False)
+    during = _start_lags(runs, cut_at - 1, restored_at)
+    after = _start_lags(runs, restored_at + 2 * tcp, time.time())
+    late = [lag for lag, _ in during if lag > 2]
+    received = [line for line in cut.output().splitlines() if " received" in line]
+    print(f"worker cut off from PostgreSQL under load, store gate {gate} (lease {lease} s, requeue {requeue} s, "
+          f"tcp timeout {tcp} s, connect {connect} s, cut {cut_for} s): {len(during)} runs due during the cut, "
+          f"{len(late)} started more than 2 s late, the latest {max(lag for lag, _ in during):.2f} s after its "
+          f"due time; lags over 1 s: {[round(lag, 1) for lag, _ in during if lag > 1]}; the cut-off worker took "
+          f"{len(received)} messages in all, and started {sum(w == 'worker-cut' for _, w in after)} of {len(after)} "
+          f"runs due after the link came back; {found['runs']} runs, missed {len(found['missed'])}, applied twice "
+          f"{len(found['applied_twice'])}")
+    assert problems(found) == {}
+    if gate == "on":
+        assert "store out of reach" in cut.output()
+        # Nothing waited for the requeue: the runs the cut-off worker held were handed back
+        # (or, claimed before the cut, taken back after their lease).
+        assert max(lag for lag, _ in during) < lease + tcp + 2 * scan + 2, during
+        assert any(w == "worker-cut" for _, w in after), "the cut-off worker took no run after the link returned"
+    else:
+        # The code before the gate: the cut-off worker's share waits for the requeue.
+        assert max(lag for lag, _ in during) >= requeue - 1, during
