@@ -100,36 +100,39 @@ class Gate:
 
 
 def consumer_switches(consumer: object) -> tuple[Callable[[], None], Callable[[], None]]:
-    """Stop and resume consuming the run queue, on the consumer's own event loop (kombu
-    is not thread-safe; hub.call_soon is). Without an event loop (the threads and solo
-    pools) nothing is switched: the children's hand-back alone keeps the runs moving."""
-    queue = settings.CELERY_TASK_DEFAULT_QUEUE
-    hub = getattr(consumer, "hub", None) or getattr(getattr(consumer, "controller", None), "hub", None)
+    """Stop and resume consuming every queue this worker consumes (the run queue, and
+    any other it was started with: every task of ours needs the store), on the
+    consumer's own event loop (kombu is not thread-safe; hub.call_soon is). Without
+    an event loop (the threads and solo pools) nothing is switched: the children's
+    hand-back alone keeps the runs moving."""
+    hub = getattr(consumer, "hub", None)
     if consumer is None or hub is None or not hasattr(consumer, "cancel_task_queue"):
         return (lambda: None), (lambda: None)
+    stopped: list[str] = []
 
-    def consuming() -> bool:
+    def stop_now() -> None:
         tasks = getattr(consumer, "task_consumer", None)
-        return bool(tasks is not None and tasks.consuming_from(queue))
+        for queue in [q.name for q in getattr(tasks, "queues", [])]:
+            consumer.cancel_task_queue(queue)  # type: ignore[attr-defined]
+            stopped.append(queue)
 
-    def stop() -> None:
-        hub.call_soon(lambda: consuming() and consumer.cancel_task_queue(queue))  # type: ignore[attr-defined]
+    def resume_now() -> None:
+        while stopped:
+            consumer.add_task_queue(stopped.pop())  # type: ignore[attr-defined]
 
-    def resume() -> None:
-        hub.call_soon(lambda: consuming() or consumer.add_task_queue(queue))  # type: ignore[attr-defined]
-
-    return stop, resume
+    return (lambda: hub.call_soon(stop_now)), (lambda: hub.call_soon(resume_now))
 
 
-def hand_back(run_ids: list[int], *, handbacks: int, why: str) -> bool:
-    """Publish the message's runs again at once, for another worker. False when it was
-    not (handed back too often, or the broker refused): the scanner's requeue then."""
+def hand_back(run_ids: list[int], *, handbacks: int, queue: str | None, why: str) -> bool:
+    """Publish the message's runs again at once, to the queue it came from, for another
+    worker. False when it was not (handed back too often, or the broker refused): the
+    scanner's requeue then."""
     if handbacks >= MAX_HANDBACKS:
         return False
     from runs.tasks import execute_runs
 
     try:
-        execute_runs.apply_async((run_ids,), kwargs={"handbacks": handbacks + 1})
+        execute_runs.apply_async((run_ids,), kwargs={"handbacks": handbacks + 1}, queue=queue)
     except Exception:  # noqa: BLE001 - the runs stay queued in the store: the requeue brings them
         logger.warning("could not hand back %d runs (%s)", len(run_ids), why, exc_info=True)
         return False

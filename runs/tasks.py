@@ -21,13 +21,14 @@ def execute_runs(self: Task, run_ids: list[int], handbacks: int = 0) -> dict[int
     """A batch of due runs, as the scanner published them (runs to one target host).
     While this worker cannot reach the store, handed back at once (runs.storegate)."""
     ids = [int(i) for i in run_ids]
+    queue = (self.request.delivery_info or {}).get("routing_key")  # back where it came from
     if storegate.is_closed():
-        handed = storegate.hand_back(ids, handbacks=handbacks, why="this worker cannot reach the store")
+        handed = storegate.hand_back(ids, handbacks=handbacks, queue=queue, why="this worker cannot reach the store")
         return dict.fromkeys(ids, "handed_back" if handed else "not_claimed")
     try:
         return run_execute_many(run_ids=ids, worker=_worker(self))
     except (OperationalError, InterfaceError):
-        storegate.hand_back(ids, handbacks=handbacks, why="the store's own trouble")
+        storegate.hand_back(ids, handbacks=handbacks, queue=queue, why="the store's own trouble")
         raise
 
 
