@@ -23,6 +23,7 @@ Each prints its handover times; docs/reliability.md records them.
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -227,7 +228,13 @@ def _start_lags(run_ids: list[int], since: float, until: float) -> list[tuple[fl
                   for pk in due if pk in last)
 
 
-@pytest.mark.parametrize("gate", ["on", "off"])
+# `off` shows the defect the gate fixed (it takes a minute): by hand, with
+# SCHEDULER_TEST_BEFORE_FIX=1; CI runs `on`. docs/reliability.md has both figures.
+_BEFORE_FIX = pytest.mark.skipif(os.environ.get("SCHEDULER_TEST_BEFORE_FIX") != "1",
+                                 reason="the code before the store gate, measured by hand: SCHEDULER_TEST_BEFORE_FIX=1")
+
+
+@pytest.mark.parametrize("gate", ["on", pytest.param("off", marks=_BEFORE_FIX)])
 def test_a_worker_cut_off_from_postgresql_under_load_stops_taking_runs_and_the_other_worker_starts_them(
         stack: Stack, counting_target: CountingTarget, gate: str) -> None:
     """Two workers, each in a network namespace of its own behind the same three
