@@ -601,26 +601,30 @@ _2_64 = 1 << 64
 
 
 def spread_due_at(job_id: int, scheduled_for: datetime, window: timedelta) -> datetime:
-    """A deterministic start inside [scheduled_for, scheduled_for + window], whole seconds,
-    so a spike spreads evenly over the window.
+    """A deterministic start inside [scheduled_for, scheduled_for + window], to the
+    millisecond, so a spike spreads evenly over the window and over each second of it.
 
     The offset is the job's place in a golden-ratio (Weyl) sequence, shifted by the
     scheduled time: job ids k, k+1, k+2... land as far apart as they can, so N jobs
     due at one time fill each second of the window with N / window of them, give or
     take one or two, where a hash would leave the busiest second about three standard
-    deviations above the mean. Integer arithmetic: every scanner on every machine
-    agrees on the same due_at, and another time of the same job gets another offset."""
+    deviations above the mean. Milliseconds, not whole seconds: within a second the
+    starts are as even, so 1,000 jobs due at one time with a window are not handed
+    on as one burst each second. Integer arithmetic: every scanner on every machine
+    agrees on the same due_at, and another time of the same job gets another offset.
+    (`scheduled_for`, the nominal time in the API and the Idempotency-Key, stays
+    whole seconds; only due_at has the fraction.)"""
     if window < timedelta(0):
         raise ValueError(f"the window {window} is negative")
     start = round_up_to_second(scheduled_for)
     # scheduled_for is whole seconds in practice; if not, rounding up already used
     # part of the window, and the offset must not push past its end.
-    room = math.floor((_as_utc(scheduled_for) + window - start).total_seconds())
-    if room <= 0:
+    room_ms = (_as_utc(scheduled_for) + window - start) // timedelta(milliseconds=1)
+    if room_ms <= 0:
         return start
     place = (job_id * _GOLDEN + int(start.timestamp()) * _SHIFT) % _2_64
-    offset = (place * (room + 1)) >> 64
-    return start + timedelta(seconds=offset)
+    offset_ms = (place * (room_ms + 1)) >> 64
+    return start + timedelta(milliseconds=offset_ms)
 
 
 _BACKOFFS = ("exponential", "linear", "fixed")

@@ -19,7 +19,7 @@ from datetime import timezone as dt_timezone
 
 from django.conf import settings
 from django.db import DatabaseError, InterfaceError, OperationalError, connection, transaction
-from django.db.models import Max, Q
+from django.db.models import OuterRef, Q, Subquery
 from django.utils import timezone
 
 from jobs import schedule
@@ -397,14 +397,20 @@ def _skip_overlapped(job: Job, plan: OverlapPlan, flight: Flight, now: datetime)
 
 
 def _latest_counted(job_ids: list[int]) -> dict[int, datetime]:
+    """Each job's latest counted time: one correlated read per job, walking its
+    (job, scheduled_for) index back from the newest row (runs_one_run_per_time), so
+    it costs the same for a job with ten runs as for one with a million. Not a
+    GROUP BY over the jobs' runs: with the status filter PostgreSQL can pick the
+    status index and read every finished run of the table."""
     if not job_ids:
         return {}
-    return dict(
-        Run.objects.filter(job_id__in=job_ids, is_backfill=False, status__in=COUNTED)
-        .values("job_id")
-        .annotate(t=Max("scheduled_for"))
-        .values_list("job_id", "t")
+    latest = (
+        Run.objects.filter(job_id=OuterRef("pk"), is_backfill=False, status__in=COUNTED)
+        .order_by("-scheduled_for")
+        .values("scheduled_for")[:1]
     )
+    found = Job.objects.filter(pk__in=job_ids).annotate(t=Subquery(latest)).values_list("pk", "t")
+    return {pk: t for pk, t in found if t is not None}
 
 
 def _one_offs_done(one_offs: list[Job]) -> set[int]:

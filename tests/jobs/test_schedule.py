@@ -447,19 +447,19 @@ def test_spread_due_at_with_no_window_is_the_scheduled_time() -> None:
 
 
 @pytest.mark.parametrize("job_id", [1, 2, 42, 10**9])
-def test_spread_due_at_is_deterministic_whole_seconds_and_inside_the_window(job_id: int) -> None:
+def test_spread_due_at_is_deterministic_whole_milliseconds_and_inside_the_window(job_id: int) -> None:
     scheduled = z("2026-10-28T20:30")
     window = timedelta(minutes=5)
     got = spread_due_at(job_id, scheduled, window)
     assert got == spread_due_at(job_id, scheduled, window)
     assert scheduled <= got <= scheduled + window
-    assert got.microsecond == 0
+    assert got.microsecond % 1000 == 0
 
 
 def test_spread_due_at_gives_different_times_of_one_job_different_offsets() -> None:
     scheduled = z("2026-10-28T00:00")
     offsets = {spread_due_at(7, scheduled + timedelta(days=d), timedelta(minutes=5)) - scheduled - timedelta(days=d) for d in range(50)}
-    assert len(offsets) > 30  # 50 draws from 301 values: a constant offset would be 1
+    assert len(offsets) > 45  # 50 draws from 300,001 values: a constant offset would be 1
 
 
 def test_spread_due_at_spreads_ten_thousand_jobs_evenly_over_the_window() -> None:
@@ -473,23 +473,40 @@ def test_spread_due_at_spreads_ten_thousand_jobs_evenly_over_the_window() -> Non
         offset = int((spread_due_at(job_id, scheduled, timedelta(seconds=300)) - scheduled).total_seconds())
         assert 0 <= offset <= 300
         counts[min(offset // 10, 29)] += 1
-    ratios = [counts[b] / (10_000 * (11 if b == 29 else 10) / 301) for b in range(30)]
+    # Offsets are milliseconds 0..300,000: the last bucket holds one millisecond more.
+    ratios = [counts[b] / (10_000 * (10_001 if b == 29 else 10_000) / 300_001) for b in range(30)]
     assert max(ratios) <= 1.3
     assert min(ratios) >= 0.7
 
 
 def test_spread_due_at_fills_every_second_of_the_window_alike_for_a_spike() -> None:
     # The spike bench's case: 100,000 jobs (consecutive ids) due at one instant with a
-    # 5 minute window. Each of the 301 seconds gets 100,000 / 301 (~332) starts; a hash
+    # 5 minute window. Each of the 300 seconds gets 100,000 * 1000 / 300,001 (~333)
+    # starts (the window's end, 09:05:00.000, is one millisecond of its own); a hash
     # would put the busiest second near 1.16 times that.
     scheduled = z("2026-10-28T09:00")
-    counts = Counter(
-        int((spread_due_at(job_id, scheduled, timedelta(seconds=300)) - scheduled).total_seconds())
-        for job_id in range(5_000, 105_000)
-    )
-    assert sorted(counts) == list(range(301))
-    mean = 100_000 / 301
+    offsets = [spread_due_at(job_id, scheduled, timedelta(seconds=300)) - scheduled for job_id in range(5_000, 105_000)]
+    assert all(o.microseconds % 1000 == 0 and timedelta(0) <= o <= timedelta(seconds=300) for o in offsets)
+    counts = Counter(int(o.total_seconds()) for o in offsets)
+    last = counts.pop(300, 0)
+    assert sorted(counts) == list(range(300)) and last <= 2
+    mean = 100_000 * 1000 / 300_001
     assert max(counts.values()) <= mean * 1.02 and min(counts.values()) >= mean * 0.98
+
+
+def test_spread_due_at_fills_each_millisecond_band_of_a_second_alike() -> None:
+    # 1,000 jobs due at one time with a one-minute window (the sustained bench's
+    # shape): within each second the starts are spread, not one burst at the second's
+    # start. Over the 60,001 milliseconds, 1,000 starts fall in ten 100 ms bands of
+    # the second alike (the Weyl sequence, not chance: a band's expected 100 is met to
+    # within a few).
+    scheduled = z("2026-10-28T09:00")
+    bands = Counter(
+        (spread_due_at(job_id, scheduled, timedelta(seconds=60)) - scheduled).microseconds // 100_000
+        for job_id in range(1, 1_001)
+    )
+    assert sorted(bands) == list(range(10))
+    assert max(bands.values()) <= 110 and min(bands.values()) >= 90
 
 
 # ------------------------------------------------------------------ retry_delay
@@ -872,11 +889,11 @@ def test_a_naive_time_resolves_to_the_first_instant_the_wall_clock_reads_it_or_l
 
 @settings(max_examples=200, deadline=None)
 @given(job_id=st.integers(1, 2**63 - 1), scheduled=instants, window=st.integers(0, 86400))
-def test_spread_due_at_is_always_inside_the_window_in_whole_seconds(job_id: int, scheduled: datetime, window: int) -> None:
+def test_spread_due_at_is_always_inside_the_window_in_whole_milliseconds(job_id: int, scheduled: datetime, window: int) -> None:
     scheduled = scheduled.replace(microsecond=0)
     got = spread_due_at(job_id, scheduled, timedelta(seconds=window))
     assert scheduled <= got <= scheduled + timedelta(seconds=window)
-    assert got.microsecond == 0
+    assert got.microsecond % 1000 == 0
     assert got == spread_due_at(job_id, scheduled, timedelta(seconds=window))
 
 
