@@ -415,7 +415,7 @@ class Soak:
         }
 
     def _delay_stream(self) -> None:
-        from django.db import connection
+        from django.db import OperationalError, connection
 
         from jobs.services import job_create
 
@@ -431,6 +431,9 @@ class Soak:
                     assert self.actions is not None
                     self.actions.created(job_create(owner=self.owner, fields=fields, now=created_at), created_at,
                                          in_pool=False)
+                except OperationalError as exc:  # the store is down (pg_restart): this job is not made
+                    print(f"delay job d{n} not made: the store is down ({str(exc).strip()[:80]})", flush=True)
+                    connection.close()
                 except Exception:
                     traceback.print_exc()
                     connection.close()
@@ -748,8 +751,12 @@ class Soak:
 
     def fault_broker_purge(self) -> dict[str, Any]:
         """Every message of the run queue lost (the AMQP analogue of redis_flush)."""
-        out = self.rabbit.ctl("purge_queue", "-p", self.rabbit.name, RUN_QUEUE)
-        return {"purged": out.strip()[:80]}
+        listed = self.rabbit.ctl("list_queues", "--no-table-headers", "-p", self.rabbit.name, "name", "messages")
+        waiting = next((int(n) for name, n in (line.split() for line in listed.splitlines() if len(line.split()) == 2)
+                        if name == RUN_QUEUE and n.isdigit()), 0)
+        self.rabbit.ctl("purge_queue", "-p", self.rabbit.name, RUN_QUEUE)
+        # Messages a worker has taken and not acked are not in the queue's count, nor purged.
+        return {"messages": waiting}
 
     def fault_pg_terminate(self) -> dict[str, Any]:
         assert self.fleet is not None
@@ -925,6 +932,10 @@ class Soak:
             "calls": calls,
             "stale_writes_rejected": event_counts["stale_write_rejected"],
             "misfired": event_counts["misfired"],
+            # Published again (a lost message, or one still waiting after SCHEDULER_REQUEUE_AFTER),
+            # and leases taken back: how much recovery work the faults made.
+            "requeued": event_counts["requeued"], "queued": event_counts["queued"],
+            "leases_taken_back": event_counts["lease_expired"],
             "bulkhead_waits": event_counts["bulkhead_wait"], "breaker_holds": event_counts["held_by_breaker"],
             "breaker_transitions": dict(breaker),
             "invariant_violations": sum(len(v) for v in violations.values()),
@@ -1147,7 +1158,7 @@ def _hit(kind: str, detail: dict[str, Any]) -> bool:
         return False
     mark = {"worker_kill": "runs_in_flight", "worker_stop": "runs_in_flight", "pg_terminate": "connections",
             "duplicate_delivery": "runs", "scanner_kill": "owned", "worker_pg_cut": "runs_in_flight",
-            "scanner_zk_cut": "owned"}.get(kind)
+            "scanner_zk_cut": "owned", "broker_purge": "messages"}.get(kind)
     return mark is None or bool(detail.get(mark))
 
 
@@ -1234,6 +1245,8 @@ def table(report: dict[str, Any], args: argparse.Namespace) -> str:
         ("target calls", ", ".join(f"{k} {v}" for k, v in sorted(report["calls"].items()))),
         ("stale writes rejected", report["stale_writes_rejected"]),
         ("late runs (misfired, run anyway)", report["misfired"]),
+        ("published again (requeued) / queued", f"{report['requeued']} / {report['queued']}"),
+        ("leases taken back", report["leases_taken_back"]),
         ("outcomes written under a superseded fence", report["outcomes_under_superseded_fence"]),
         ("invariant violations", report["invariant_violations"]),
         ("largest lateness past the window", f"{late.get('max', '-')} s (p99 {late.get('p99', '-')} s)"),
