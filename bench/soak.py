@@ -19,6 +19,21 @@ while faults are injected at random, each kind about as often as the others:
   target_errors  one target host answers 503 for a while
   duplicate_delivery  every running run's message delivered again (brokers deliver at least once)
 
+and since issue 19 (docs/reliability.md, "The soak under load"), each where the layout takes it:
+
+  zk_leader_kill, zk_follower_kill   kill -9 of an ensemble node, started again (--zk-nodes 3)
+  zk_quorum_loss the leader and a follower killed past a session, then started: scanning must stop
+  scanner_zk_cut a scanner's links to ZooKeeper cut (tests/netproxy.py) for two sessions: it must stop
+  worker_pg_cut  a worker's link to PostgreSQL cut mid-call, past its lease
+  pg_restart     the private PostgreSQL (--private-pg) restarted: a fast shutdown or its postmaster killed
+  redis_restart  the private Redis restarted, empty
+  broker_restart, broker_purge       RabbitMQ (--broker amqp): the vhost's connections closed, the run
+                 queue purged
+
+--rate R adds a steady load of R runs a second (bench/soak_load.py) on a batching target
+(bench/soak_load_target.py), its accounting in SQL over every run; --max-rate measures the
+layout's highest sustained rate without faults.
+
 With --actions (bench/soak_actions.py), user actions are injected too, each a fault
 kind: edits, pauses, resumes, deletes, run now and backfills of the soak's own jobs.
 
@@ -952,9 +967,12 @@ class Soak:
         report["memory"] = self.memory.report()
         if self.args.max_rate:  # offered above capacity: a backlog, late and unstarted runs, on purpose
             report["highest_sustained_rate"] = load["steady"]["started_per_s"] if load else None
-        report["ok"] = not ((report["missed"] and not self.args.max_rate) or report["effects_applied_twice"] or report["recorded_applied_twice"]
-                            or report["invariant_violations"] or report["started_while_paused_or_deleted"]
-                            or self.unexpected_exits)
+        broken = report["invariant_violations"]
+        if self.args.max_rate:  # the backlog leaves due runs waiting: that one invariant is not asked here
+            broken -= len(violations["due runs terminal or running"])
+        report["ok"] = not ((report["missed"] and not self.args.max_rate) or report["effects_applied_twice"]
+                            or report["recorded_applied_twice"] or broken
+                            or report["started_while_paused_or_deleted"] or self.unexpected_exits)
         return report
 
     # ----------------------------------------------------------------- handovers
@@ -1278,6 +1296,9 @@ def table(report: dict[str, Any], args: argparse.Namespace) -> str:
             f" (tick {ZK_TICK_S:g} s), {args.scanners} scanners, {args.workers} workers x {args.concurrency}"
             + (", DELIBERATE FENCE BUG ON" if args.inject_bug else ""))
     lines = [head, "-" * len(head)] + [f"{k:<{width}}  {v}" for k, v in rows]
+    if "highest_sustained_rate" in report:
+        lines.append(f"{'highest sustained rate (runs/s)':<{width}}  {report['highest_sustained_rate']} "
+                     f"(offered {args.rate}/s)")
     lines.append(f"{'result':<{width}}  {'PASS' if report['ok'] else 'FAIL'}")
     return "\n".join(lines)
 
