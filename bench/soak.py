@@ -145,7 +145,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--zk-boundary", type=float, default=None,
                    help="ignored: the coordinator no longer waits for membership to settle (kept for old scripts)")
     p.add_argument("--target-concurrency", type=int, default=None,
-                   help="SCHEDULER_TARGET_CONCURRENCY (default 3; with --rate, 64: a bulkhead, not the bottleneck)")
+                   help="SCHEDULER_TARGET_CONCURRENCY (default 3; with --rate, 256: more than the slots a batch of "
+                        "SCHEDULER_DISPATCH_BATCH runs holds, each until the whole batch ends)")
     p.add_argument("--breaker-failures", type=int, default=5)
     p.add_argument("--breaker-cooldown", type=int, default=5)
     p.add_argument("--pg", default=_pg_server(), help="PostgreSQL server URL, without a database")
@@ -179,7 +180,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.kinds is None:
         args.kinds = ",".join(applicable_kinds(args))
     if args.target_concurrency is None:
-        args.target_concurrency = 64 if args.rate else 3
+        args.target_concurrency = 256 if args.rate else 3
     return args
 
 
