@@ -113,24 +113,90 @@ class ZooKeeper:
     def hosts(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    def client_ports(self) -> list[int]:
+        return [self.port]
+
+    def pids(self) -> list[int]:
+        try:
+            return [int(Path(self.dir, "pid").read_text())]
+        except (OSError, ValueError):
+            return []
+
+
+class ZooKeeperEnsemble:
+    """Three ZooKeeper nodes (tests/zkensemble.Ensemble), each killed and started again
+    by its own id: a leader, a follower, two of them (quorum lost)."""
+
+    def __init__(self, workdir: Path) -> None:
+        from tests.zkensemble import Ensemble
+
+        self.ensemble = Ensemble(workdir / "zk")
+
+    def start(self) -> None:
+        """Every node that is down started again; returns once they serve (a no-op when all are up)."""
+        for n in (1, 2, 3):
+            if not self.ensemble.alive(n):
+                self.ensemble.start_node(n)
+        self.ensemble.wait_for_quorum(90)
+
+    def restart_wiped(self, hold: float) -> float:
+        """Every node killed, its data wiped, `hold` s down, all started again: every session
+        ends (what zk_restart does to the single server). Returns when they were killed."""
+        import shutil
+
+        at = time.time()
+        for n in (1, 2, 3):
+            if self.ensemble.alive(n):
+                self.ensemble.kill(n)
+        for n in (1, 2, 3):
+            shutil.rmtree(self.ensemble.workdir / f"zk{n}" / "data", ignore_errors=True)
+        time.sleep(hold)
+        self.start()
+        return at
+
+    def stop(self) -> None:
+        self.ensemble.stop()
+
+    @property
+    def hosts(self) -> str:
+        return self.ensemble.hosts
+
+    def client_ports(self) -> list[int]:
+        return [self.ensemble.client[n] for n in (1, 2, 3)]
+
+    def pids(self) -> list[int]:
+        return [p.pid for n, p in self.ensemble.procs.items() if self.ensemble.alive(n)]
+
 
 class Databases:
-    """The scheduler's database and the target's, both made fresh for the soak."""
+    """The scheduler's database and the target's, both made fresh for the soak.
 
-    def __init__(self, server: str, name: str) -> None:
+    With `store` (a private server's url maker: tests/pgpair.PgServer.url), the
+    scheduler's database lives there, so the soak can restart that server; the
+    target's stays on `server`, so its records never see the restart."""
+
+    def __init__(self, server: str, name: str, store: Any = None) -> None:
         self.server, self.name, self.target_name = server.rstrip("/"), name, f"{name}_target"
+        self.store = store
 
     def url(self, target: bool = False) -> str:
+        if not target and self.store is not None:
+            return str(self.store(self.name))
         return f"{self.server}/{self.target_name if target else self.name}"
 
-    def _admin(self, sql: str) -> None:
-        with psycopg.connect(f"{self.server}/postgres", autocommit=True) as conn:
+    def _admin_url(self, target: bool) -> str:
+        if not target and self.store is not None:
+            return str(self.store("postgres"))
+        return f"{self.server}/postgres"
+
+    def _admin(self, sql: str, target: bool = True) -> None:
+        with psycopg.connect(self._admin_url(target), autocommit=True) as conn:
             conn.execute(sql)
 
     def create(self, env: dict[str, str]) -> None:
-        for db in (self.name, self.target_name):
-            self._admin(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
-            self._admin(f'CREATE DATABASE "{db}"')
+        for db, target in ((self.name, False), (self.target_name, True)):
+            self._admin(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)', target)
+            self._admin(f'CREATE DATABASE "{db}"', target)
         for url in (self.url(), self.url(target=True)):
             subprocess.run([PY, "manage.py", "migrate", "-v", "0"], cwd=ROOT, env={**env, "DATABASE_URL": url},
                            check=True, capture_output=True, timeout=300)
@@ -138,12 +204,12 @@ class Databases:
             conn.execute(TARGET_SCHEMA)
 
     def drop(self) -> None:
-        for db in (self.name, self.target_name):
-            self._admin(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+        for db, target in ((self.name, False), (self.target_name, True)):
+            self._admin(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)', target)
 
     def terminate(self, application_name: str) -> int:
         """pg_terminate_backend on every connection of the scheduler database with that name."""
-        with psycopg.connect(f"{self.server}/postgres", autocommit=True) as conn:
+        with psycopg.connect(self._admin_url(False), autocommit=True) as conn:
             rows = conn.execute(
                 "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND application_name = %s",
                 [self.name, application_name],
@@ -196,6 +262,26 @@ class Target:
 
 
 @dataclass
+class LoadTarget(Target):
+    """bench/soak_load_target.py on the same ports and control file: the target for
+    `soak.py --rate`, recording every call in batches (hundreds a second)."""
+
+    db_url: str = ""
+
+    def start(self) -> None:
+        self.set_modes({})
+        argv = [PY, str(ROOT / "bench" / "soak_load_target.py"), "--ports", ",".join(map(str, self.ports)),
+                "--db", self.db_url, "--control", str(self.control)]
+        self.proc = Proc("target", argv, dict(self.env), self.log_dir)
+        wait_for(lambda: all(self._listening(p) for p in self.ports), 30, "the target to listen")
+
+    def stop(self) -> None:
+        # SIGTERM: it flushes its last batch of records before it exits.
+        if self.proc is not None:
+            self.proc.stop(grace=30)
+
+
+@dataclass
 class Fleet:
     """Scanners and workers by name; a restart starts a new generation of the same name."""
 
@@ -203,6 +289,8 @@ class Fleet:
     log_dir: Path
     worker_concurrency: int = 4
     procs: dict[str, Proc] = field(default_factory=dict)
+    # Per process name, what its environment says differently (a link through a proxy).
+    overrides: dict[str, dict[str, str]] = field(default_factory=dict)
     retired: list[Proc] = field(default_factory=list)
 
     def _argv(self, name: str, generation: int) -> list[str]:
@@ -219,7 +307,7 @@ class Fleet:
         generation = old.generation + 1 if old else 1
         if old is not None:
             self.retired.append(old)
-        env = {**self.env, "SCHEDULER_DB_APPLICATION_NAME": f"soak-{name}"}
+        env = {**self.env, "SCHEDULER_DB_APPLICATION_NAME": f"soak-{name}", **self.overrides.get(name, {})}
         proc = Proc(name, self._argv(name, generation), env, self.log_dir, generation)
         self.procs[name] = proc
         return proc

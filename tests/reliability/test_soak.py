@@ -19,11 +19,13 @@ from typing import Any
 
 import pytest
 
-from bench.soak import KINDS
+from bench.soak import parse_args
 from bench.soak_actions import USER_KINDS
 
 pytestmark = [pytest.mark.integration]
 ROOT = Path(__file__).resolve().parents[2]
+# Every fault kind the soak's default layout takes (one ZooKeeper, the test's PostgreSQL, Redis).
+KINDS = parse_args([]).kinds.split(",")
 
 
 def soak(tmp_path: Path, *extra: str) -> tuple[int, dict[str, Any], str]:
