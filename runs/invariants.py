@@ -15,6 +15,7 @@ from typing import Any
 from django.db.models import Count
 
 from runs.models import JOBS_OPEN_RUN, Run, RunEvent
+from runs.timeline import ON_ROW_FIELDS, on_row_entries
 
 S = Run.Status
 TERMINAL_EVENTS = frozenset({"succeeded", "dead", "skipped", "cancelled"})
@@ -62,6 +63,12 @@ def timelines(run_ids: Iterable[int] | None = None) -> list[str]:
     rows = RunEvent.objects.filter(run_id__in=list(status)).order_by("run_id", "id")
     for run_id, pk, at, type_, detail in rows.values_list("run_id", "id", "at", "type", "detail").iterator():
         found[run_id].append(Event(pk, at, type_, detail or {}))
+    # The entries on the rows (runs.timeline) come after every row of their run: as
+    # if their ids were the highest (id 0 in the messages: they have none).
+    carrying = runs.exclude(on_row=0).only(*ON_ROW_FIELDS)
+    next_for = dict(Run.objects.filter(pk__in=carrying.values("on_row_next_run")).values_list("pk", "scheduled_for"))
+    for run in carrying.iterator():
+        found[run.pk] += [Event(0, e.at, e.type, e.detail) for e in on_row_entries(run, next_for)]
     problems: list[str] = []
     for run_id, run_status in status.items():
         problems += [f"run_{run_id}: {p}" for p in timeline_violations(run_status, found.get(run_id, []))]
@@ -69,7 +76,7 @@ def timelines(run_ids: Iterable[int] | None = None) -> list[str]:
 
 
 def timeline_violations(status: str, events: list[Event]) -> list[str]:
-    """One run's timeline, events in id order:
+    """One run's timeline, events in id order (the entries on its row last):
 
     - `at` never goes backwards (beyond CLOCK_SLACK), a superseded holder's late
       events apart;

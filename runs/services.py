@@ -29,7 +29,7 @@ from jobs.validators import check_resolved_target, target_key
 from runs import breakers, bulk, bulkhead, claims, delivery, events, notices, publishing
 from runs.claims import Claim
 from runs.delivery import CallResult
-from runs.models import JOBS_OPEN_RUN, Run
+from runs.models import ON_ROW_ANSWERED, ON_ROW_SCHEDULED, ON_ROW_SUCCEEDED, JOBS_OPEN_RUN, Run
 from runs.signals import job_paused, run_dead
 
 logger = logging.getLogger("scheduler.runs")
@@ -55,18 +55,21 @@ def run_create(
     *, job: Job, scheduled_for: datetime, now: datetime, is_backfill: bool = False, reason: str = ""
 ) -> Run:
     window = timedelta(seconds=job.window_seconds)
+    due_at = schedule.spread_due_at(job.pk, scheduled_for, window)
     run = Run.objects.create(
         job=job,
         scheduled_for=scheduled_for,
-        due_at=schedule.spread_due_at(job.pk, scheduled_for, window),
+        due_at=due_at,
         partition=job.partition,
         held=is_held(job),
         is_backfill=is_backfill,
+        # Its `scheduled` entry is on the row (runs.timeline), unless it has a reason.
+        created_at=now,
+        on_row=0 if reason else ON_ROW_SCHEDULED,
+        on_row_due_at=None if reason else due_at,
     )
-    detail = {"scheduled_for": delivery.iso_z(run.scheduled_for), "due_at": delivery.iso_z(run.due_at)}
-    if reason:
-        detail["reason"] = reason
-    events.record(run.pk, "scheduled", now, **detail)
+    detail = {"reason": reason} if reason else {}
+    events.record_many([_scheduled_event(run, now, detail)])
     return run
 
 
@@ -232,7 +235,7 @@ def job_next_runs(
         assert when is not None  # jobs past ends_at were completed above
         flight = (in_flight or {}).get(job.pk)
         if flight is None or not job.is_recurring or when > now or when < flight.started_at:
-            rows.append(_open_row(job, when, job.pk in held))
+            rows.append(_open_row(job, when, job.pk in held, now=None if reason else now))
             continue
         plan = _overlap_plan(job, first=when, since=since, now=now)
         skipped += _skip_overlapped(job, plan, flight, now)
@@ -240,7 +243,8 @@ def job_next_runs(
         if plan.next_time is None:  # the times that passed in flight were its last (ends_at)
             ended_in_flight.add(job.pk)
             continue
-        rows.append(_open_row(job, plan.next_time, job.pk in held, due_now=now if plan.buffered else None))
+        rows.append(_open_row(job, plan.next_time, job.pk in held, due_now=now if plan.buffered else None,
+                              now=None if reason else now))
     _complete(ended_in_flight, now)
     inserted, refused = bulk.insert_open_runs(rows)
     created = {r.job_id: r for r in inserted}
@@ -251,11 +255,17 @@ def job_next_runs(
             created[run.job_id] = run
     detail = {"reason": reason} if reason else {}
     found = excluded + [
-        events.event(r.pk, "scheduled", now, scheduled_for=delivery.iso_z(r.scheduled_for),
-                     due_at=delivery.iso_z(r.due_at), **detail)
+        _scheduled_event(r, now, detail)
         for r in created.values()
     ]
     return created, skipped + found
+
+
+def _scheduled_event(run: Run, now: datetime, detail: dict[str, str]) -> events.Event:
+    """A new run's `scheduled` event: on its row when the insert put it there."""
+    found = events.event(run.pk, "scheduled", now, scheduled_for=delivery.iso_z(run.scheduled_for),
+                         due_at=delivery.iso_z(run.due_at), **detail)
+    return events.on_row(found) if run.on_row & ON_ROW_SCHEDULED else found
 
 
 def excluded_times_skip(plans: list[tuple[Job, schedule.NextTime]], now: datetime) -> list[events.Event]:
@@ -301,11 +311,16 @@ def excluded_times_skip(plans: list[tuple[Job, schedule.NextTime]], now: datetim
     return found
 
 
-def _open_row(job: Job, when: datetime, held: bool, due_now: datetime | None = None) -> Run:
+def _open_row(job: Job, when: datetime, held: bool, due_now: datetime | None = None, *,
+              now: datetime | None = None) -> Run:
+    """A next run to insert; with `now`, its `scheduled` entry (at `now`) is on its row."""
     due_at = schedule.spread_due_at(job.pk, when, timedelta(seconds=job.window_seconds))
     if due_now is not None:
         due_at = max(due_at, due_now)
-    return Run(job=job, scheduled_for=when, due_at=due_at, partition=job.partition, held=held)
+    run = Run(job=job, scheduled_for=when, due_at=due_at, partition=job.partition, held=held)
+    if now is not None:
+        run.created_at, run.on_row, run.on_row_due_at = now, ON_ROW_SCHEDULED, due_at
+    return run
 
 
 # ------------------------------------------------------------------ overlap
@@ -454,7 +469,7 @@ def _place_after_clash(job: Job, row: Run, now: datetime) -> Run | None:
             events.record_many(excluded_times_skip([(job, plan)], now))
             when = plan.time
             continue
-        inserted, _ = bulk.insert_open_runs([_open_row(job, when, row.held)])
+        inserted, _ = bulk.insert_open_runs([_open_row(job, when, row.held, now=now if row.on_row else None)])
         if inserted:
             return inserted[0]
     logger.error("%s: no free time for its next run after %d tries", job.public_id, MAX_TAKEN_TIMES)
@@ -822,9 +837,10 @@ def _claim_wave(runs: list[Run], worker: str, lease: timedelta) -> tuple[list[Cl
         runs_by_id = {r.pk: r for r in runs}
         # The claim's own clock is at least the due time (it checks) and at least `now`
         # (read just before it): the event says no earlier than either.
+        # On the row (claims.CLAIM_SQL): counted here, not written.
         events.record_many(
-            (events.event(c.run_id, "claimed", max(now, runs_by_id[c.run_id].due_at), fence=c.fence, worker=worker,
-                          attempt=c.attempt) for c in taken),
+            (events.on_row(events.event(c.run_id, "claimed", max(now, runs_by_id[c.run_id].due_at), fence=c.fence,
+                                        worker=worker, attempt=c.attempt)) for c in taken),
             runs=runs_by_id,  # as read before the claim: a first start has no started_at yet
         )
         _detach_claimed([(runs_by_id[c.run_id], c) for c in taken], allow_jobs, now)
@@ -1076,6 +1092,10 @@ def _decide(call: Call, now: datetime) -> tuple[claims.Outcome, str]:
         return claims.Outcome(run.pk, claim.fence, S.DEAD, now, error=call.refusal), call.refusal
     assert result is not None
     if result.ok:
+        if result.published is None and result.status is not None and result.duration_ms is not None:
+            # The happy path: its answer and its success on the row (runs.timeline).
+            return claims.Outcome(run.pk, claim.fence, S.SUCCEEDED, now, on_row=ON_ROW_ANSWERED | ON_ROW_SUCCEEDED,
+                                  answer=result.status, duration_ms=result.duration_ms), ""
         return claims.Outcome(run.pk, claim.fence, S.SUCCEEDED, now), ""
     tries = claim.attempt - run.attempt_base  # calls in this round (a requeue starts a new one)
     if result.retryable and tries <= job.retry_max and job.state == Job.State.DELETED:
@@ -1165,19 +1185,24 @@ def _record_outcomes(calls: list[Call]) -> dict[int, str]:
         outcomes: dict[int, str] = {}
         told: dict[int, str] = {}
         dead_notices: list[notices.Notice | None] = []
+        next_named: dict[int, int] = {}
         for call, outcome, reason in decided:
             run, claim = call.run, call.claim
+            # The happy path's answer and success went on the row with the outcome.
+            mark = events.on_row if run.pk in landed and outcome.on_row else (lambda e: e)
             if call.result is not None:
-                found.append(_answered_event(run, claim, call.result, now))
+                found.append(mark(_answered_event(run, claim, call.result, now)))
             nxt = new_runs.get(run.job_id) if not run.is_backfill and not run.detached else None
             then = {"next_run": nxt.public_id, "next_scheduled_for": delivery.iso_z(nxt.scheduled_for)} if nxt else {}
+            if nxt is not None and run.pk in landed and outcome.on_row:
+                next_named[run.pk] = nxt.pk
             if run.pk not in landed:
                 # The lease was taken over: the store refuses this holder's outcome.
                 found.append(events.event(run.pk, "stale_write_rejected", now, fence=claim.fence, worker=claim.worker))
                 logger.warning("run %s: stale write from fence %s refused", run.public_id, claim.fence)
                 outcomes[run.pk] = "stale_write_rejected"
             elif outcome.status == S.SUCCEEDED:
-                found.append(events.event(run.pk, "succeeded", now, fence=claim.fence, **then))
+                found.append(mark(events.event(run.pk, "succeeded", now, fence=claim.fence, **then)))
                 outcomes[run.pk] = "succeeded"
             elif outcome.status == S.SCHEDULED:
                 found.append(events.event(run.pk, "retry_scheduled", now, due_at=delivery.iso_z(outcome.due_at),
@@ -1194,6 +1219,7 @@ def _record_outcomes(calls: list[Call]) -> dict[int, str]:
                 # The owner is told through the outbox, in this transaction; sent later (runs.notices).
                 dead_notices.append(notices.notice_row(job=run.job, kind="dead", run=run, reason=reason, now=now))
                 transaction.on_commit(lambda pk=run.pk, why=reason: notify_dead(run_id=pk, reason=why))
+        claims.note_next_runs(next_named)
         events.record_many(found, runs={call.run.pk: call.run for call in calls})
         notices.notices_add(dead_notices)
     return outcomes
