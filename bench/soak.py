@@ -376,12 +376,12 @@ class Soak:
         return bool(found)
 
     def _duplicates_now(self) -> bool:
-        from runs.models import RunEvent
+        from runs.timeline import timelines_by_id
 
+        # Rows and the entries on the run rows (runs.timeline), in timeline order.
         timeline: dict[int, list[tuple[datetime, str, dict[str, Any]]]] = defaultdict(list)
-        for run_id, at, type_, detail in RunEvent.objects.filter(type__in=APPLIED_EVIDENCE).order_by("id") \
-                .values_list("run_id", "at", "type", "detail"):
-            timeline[run_id].append((at, type_, detail or {}))
+        for run_id, found in timelines_by_id(types=APPLIED_EVIDENCE).items():
+            timeline[run_id] += [(e.at, e.type, e.detail or {}) for e in found]
         found = recorded_applied_twice(timeline)
         twice = self.dbs.target_rows("SELECT key FROM soak_effects GROUP BY key HAVING count(*) > 1")
         if found or twice:
@@ -549,7 +549,8 @@ class Soak:
         from django.db import close_old_connections
 
         from runs import invariants
-        from runs.models import BreakerTransition, Run, RunEvent
+        from runs.models import BreakerTransition, Run
+        from runs.timeline import timelines_by_id
 
         self.memory.stop()
         close_old_connections()
@@ -557,8 +558,8 @@ class Soak:
         cutoff = utc(measured_at - self.args.margin)
         runs = {r.pk: r for r in Run.objects.select_related("job")}
         timeline: dict[int, list[tuple[datetime, str, dict[str, Any]]]] = defaultdict(list)
-        for run_id, at, type_, detail in RunEvent.objects.order_by("id").values_list("run_id", "at", "type", "detail"):
-            timeline[run_id].append((at, type_, detail or {}))
+        for run_id, found in timelines_by_id().items():  # rows and the entries on the run rows
+            timeline[run_id] += [(e.at, e.type, e.detail or {}) for e in found]
 
         due, lateness, lateness_plain = [], [], []
         for run in runs.values():
