@@ -345,22 +345,6 @@ def finish(
     )
 
 
-def note_next_runs(next_runs: dict[int, int]) -> None:
-    """The next run each succeeded run's `succeeded` entry names (run id -> next run
-    id), written after the next runs are made: a HOT update (no indexed column)."""
-    if not next_runs:
-        return
-    if connection.vendor != "postgresql":
-        for run_id, nxt in next_runs.items():
-            Run.objects.filter(pk=run_id).update(on_row_next_run=nxt)
-        return
-    rows = ", ".join(["(%s::bigint, %s::bigint)"] * len(next_runs))
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"UPDATE runs AS r SET on_row_next_run = v.nxt FROM (VALUES {rows}) AS v(id, nxt) WHERE r.id = v.id",
-            [x for pair in next_runs.items() for x in pair],
-        )
-
 
 def schedule_retry(*, run_id: int, fence: int, due_at: datetime, error: str) -> bool:
     """Back to scheduled with a later due_at: the retry is a row, not a message."""

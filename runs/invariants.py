@@ -15,7 +15,7 @@ from typing import Any
 from django.db.models import Count
 
 from runs.models import JOBS_OPEN_RUN, Run, RunEvent
-from runs.timeline import ON_ROW_FIELDS, on_row_entries
+from runs.timeline import ON_ROW_FIELDS, made_by, on_row_entries
 
 S = Run.Status
 TERMINAL_EVENTS = frozenset({"succeeded", "dead", "skipped", "cancelled"})
@@ -65,10 +65,10 @@ def timelines(run_ids: Iterable[int] | None = None) -> list[str]:
         found[run_id].append(Event(pk, at, type_, detail or {}))
     # The entries on the rows (runs.timeline) come after every row of their run: as
     # if their ids were the highest (id 0 in the messages: they have none).
-    carrying = runs.exclude(on_row=0).only(*ON_ROW_FIELDS)
-    next_for = dict(Run.objects.filter(pk__in=carrying.values("on_row_next_run")).values_list("pk", "scheduled_for"))
-    for run in carrying.iterator():
-        found[run.pk] += [Event(0, e.at, e.type, e.detail) for e in on_row_entries(run, next_for)]
+    carrying = list(runs.exclude(on_row=0).only(*ON_ROW_FIELDS))
+    next_runs = made_by(carrying)
+    for run in carrying:
+        found[run.pk] += [Event(0, e.at, e.type, e.detail) for e in on_row_entries(run, next_runs)]
     problems: list[str] = []
     for run_id, run_status in status.items():
         problems += [f"run_{run_id}: {p}" for p in timeline_violations(run_status, found.get(run_id, []))]

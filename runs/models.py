@@ -67,7 +67,9 @@ class Run(models.Model):
     on_row_worker = models.CharField(max_length=200, blank=True)  # `claimed`'s worker
     on_row_answer = models.PositiveSmallIntegerField(null=True, blank=True)  # `target_answered` status
     on_row_duration_ms = models.PositiveIntegerField(null=True, blank=True)  # `target_answered`
-    on_row_next_run = models.BigIntegerField(null=True, blank=True)  # `succeeded`'s next run (its id)
+    # The run whose outcome made this one: that run's `succeeded` entry names this run
+    # (set with the insert, so the outcome needs no second write to name its next run).
+    on_row_made_by = models.BigIntegerField(null=True, blank=True)
 
     class Meta:
         db_table = "runs"

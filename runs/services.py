@@ -234,8 +234,9 @@ def job_next_runs(
         when = plans[job.pk].time
         assert when is not None  # jobs past ends_at were completed above
         flight = (in_flight or {}).get(job.pk)
+        made_by = flight.run_id if flight is not None else None
         if flight is None or not job.is_recurring or when > now or when < flight.started_at:
-            rows.append(_open_row(job, when, job.pk in held, now=None if reason else now))
+            rows.append(_open_row(job, when, job.pk in held, now=None if reason else now, made_by=made_by))
             continue
         plan = _overlap_plan(job, first=when, since=since, now=now)
         skipped += _skip_overlapped(job, plan, flight, now)
@@ -244,7 +245,7 @@ def job_next_runs(
             ended_in_flight.add(job.pk)
             continue
         rows.append(_open_row(job, plan.next_time, job.pk in held, due_now=now if plan.buffered else None,
-                              now=None if reason else now))
+                              now=None if reason else now, made_by=made_by))
     _complete(ended_in_flight, now)
     inserted, refused = bulk.insert_open_runs(rows)
     created = {r.job_id: r for r in inserted}
@@ -312,12 +313,14 @@ def excluded_times_skip(plans: list[tuple[Job, schedule.NextTime]], now: datetim
 
 
 def _open_row(job: Job, when: datetime, held: bool, due_now: datetime | None = None, *,
-              now: datetime | None = None) -> Run:
-    """A next run to insert; with `now`, its `scheduled` entry (at `now`) is on its row."""
+              now: datetime | None = None, made_by: int | None = None) -> Run:
+    """A next run to insert; with `now`, its `scheduled` entry (at `now`) is on its row;
+    `made_by`: the run whose outcome makes it (whose `succeeded` entry names it)."""
     due_at = schedule.spread_due_at(job.pk, when, timedelta(seconds=job.window_seconds))
     if due_now is not None:
         due_at = max(due_at, due_now)
-    run = Run(job=job, scheduled_for=when, due_at=due_at, partition=job.partition, held=held)
+    run = Run(job=job, scheduled_for=when, due_at=due_at, partition=job.partition, held=held,
+              on_row_made_by=made_by)
     if now is not None:
         run.created_at, run.on_row, run.on_row_due_at = now, ON_ROW_SCHEDULED, due_at
     return run
@@ -460,7 +463,8 @@ def _place_after_clash(job: Job, row: Run, now: datetime) -> Run | None:
         if earlier is not None and earlier.status == S.CANCELLED:
             # A buffered overlap run keeps its due_at (due now) at its own time.
             keep_due = row.due_at if when == row.scheduled_for else None
-            return run_reopen(run=earlier, job=job, now=now, held=row.held, not_before=keep_due)
+            return run_reopen(run=earlier, job=job, now=now, held=row.held, not_before=keep_due,
+                              made_by=row.on_row_made_by)
         if earlier is not None and not job.is_recurring:
             _complete({job.pk}, now)
             return None
@@ -469,23 +473,30 @@ def _place_after_clash(job: Job, row: Run, now: datetime) -> Run | None:
             events.record_many(excluded_times_skip([(job, plan)], now))
             when = plan.time
             continue
-        inserted, _ = bulk.insert_open_runs([_open_row(job, when, row.held, now=now if row.on_row else None)])
+        inserted, _ = bulk.insert_open_runs([_open_row(job, when, row.held, now=now if row.on_row else None,
+                                                       made_by=row.on_row_made_by)])
         if inserted:
             return inserted[0]
     logger.error("%s: no free time for its next run after %d tries", job.public_id, MAX_TAKEN_TIMES)
     return None
 
 
-def run_reopen(*, run: Run, job: Job, now: datetime, held: bool, not_before: datetime | None = None) -> Run:
+def run_reopen(
+    *, run: Run, job: Job, now: datetime, held: bool, not_before: datetime | None = None, made_by: int | None = None
+) -> Run:
     """A cancelled run becomes the job's waiting run again (its time is unique per
     job, so schedule A -> B -> A finds A's cancelled row there). Its `scheduled`
-    event is the caller's to write. `not_before`: its due_at is no earlier."""
+    event is the caller's to write. `not_before`: its due_at is no earlier.
+    `made_by`: the run whose outcome reopens it (its `succeeded` entry names it)."""
     due_at = schedule.spread_due_at(job.pk, run.scheduled_for, timedelta(seconds=job.window_seconds))
     if not_before is not None:
         due_at = max(due_at, not_before)
+    if run.on_row_made_by is not None:
+        # The run that made it first still names it from its row: that entry becomes a row.
+        events.write_settled([run.on_row_made_by])
     Run.objects.filter(pk=run.pk).update(
         status=S.SCHEDULED, due_at=due_at, held=held, finished_at=None, queued_at=None, is_backfill=False,
-        last_error="",
+        last_error="", on_row_made_by=made_by,
     )
     run.refresh_from_db()
     return run
@@ -1185,7 +1196,6 @@ def _record_outcomes(calls: list[Call]) -> dict[int, str]:
         outcomes: dict[int, str] = {}
         told: dict[int, str] = {}
         dead_notices: list[notices.Notice | None] = []
-        next_named: dict[int, int] = {}
         for call, outcome, reason in decided:
             run, claim = call.run, call.claim
             # The happy path's answer and success went on the row with the outcome.
@@ -1194,8 +1204,6 @@ def _record_outcomes(calls: list[Call]) -> dict[int, str]:
                 found.append(mark(_answered_event(run, claim, call.result, now)))
             nxt = new_runs.get(run.job_id) if not run.is_backfill and not run.detached else None
             then = {"next_run": nxt.public_id, "next_scheduled_for": delivery.iso_z(nxt.scheduled_for)} if nxt else {}
-            if nxt is not None and run.pk in landed and outcome.on_row:
-                next_named[run.pk] = nxt.pk
             if run.pk not in landed:
                 # The lease was taken over: the store refuses this holder's outcome.
                 found.append(events.event(run.pk, "stale_write_rejected", now, fence=claim.fence, worker=claim.worker))
@@ -1219,7 +1227,6 @@ def _record_outcomes(calls: list[Call]) -> dict[int, str]:
                 # The owner is told through the outbox, in this transaction; sent later (runs.notices).
                 dead_notices.append(notices.notice_row(job=run.job, kind="dead", run=run, reason=reason, now=now))
                 transaction.on_commit(lambda pk=run.pk, why=reason: notify_dead(run_id=pk, reason=why))
-        claims.note_next_runs(next_named)
         events.record_many(found, runs={call.run.pk: call.run for call in calls})
         notices.notices_add(dead_notices)
     return outcomes

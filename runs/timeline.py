@@ -27,9 +27,8 @@ from runs.models import (
 
 # What a reader needs of a run to put its on-row entries together.
 ON_ROW_FIELDS = (
-    "id", "scheduled_for", "created_at", "fence", "attempt", "finished_at", "on_row", "on_row_due_at",
+    "id", "job_id", "scheduled_for", "created_at", "fence", "attempt", "finished_at", "on_row", "on_row_due_at",
     "on_row_queued_at", "on_row_claimed_at", "on_row_worker", "on_row_answer", "on_row_duration_ms",
-    "on_row_next_run",
 )
 
 
@@ -39,9 +38,10 @@ def _iso(value) -> str:  # type: ignore[no-untyped-def]
     return iso_z(value)
 
 
-def on_row_entries(run: Run, next_for: dict[int, object] | None = None) -> list[RunEvent]:
+def on_row_entries(run: Run, next_runs: dict[int, tuple[int, object]] | None = None) -> list[RunEvent]:
     """The entries `run`'s row carries, oldest first, as unsaved RunEvent objects.
-    `next_for`: the scheduled_for of next runs by id (looked up when not given)."""
+    `next_runs`: by run id, the (id, scheduled_for) of the run its outcome made (its
+    `on_row_made_by`); looked up when not given."""
     bits = run.on_row
     if not bits:
         return []
@@ -61,14 +61,32 @@ def on_row_entries(run: Run, next_for: dict[int, object] | None = None) -> list[
             status=run.on_row_answer)
     if bits & ON_ROW_SUCCEEDED:
         then: dict[str, object] = {}
-        if run.on_row_next_run is not None:
-            if next_for is None:
-                next_for = dict(Run.objects.filter(pk=run.on_row_next_run).values_list("pk", "scheduled_for"))
-            then["next_run"] = format_id("run", run.on_row_next_run)
-            if run.on_row_next_run in next_for:
-                then["next_scheduled_for"] = _iso(next_for[run.on_row_next_run])
+        nxt = (next_runs if next_runs is not None else made_by([run])).get(run.pk)
+        if nxt is not None:
+            then = {"next_run": format_id("run", nxt[0]), "next_scheduled_for": _iso(nxt[1])}
         add("succeeded", run.finished_at, fence=run.fence, **then)
     return found
+
+
+def made_by(runs: Iterable[Run]) -> dict[int, tuple[int, object]]:
+    """The next run each succeeded run's outcome made (on_row_made_by), as (id,
+    scheduled_for) by that run's id: a range read of runs_one_run_per_time after
+    each run's time (a next run is always later than the run that made it)."""
+    ended = [r for r in runs if r.on_row & ON_ROW_SUCCEEDED]
+    if not ended:
+        return {}
+    if len(ended) == 1:
+        run = ended[0]
+        later = Run.objects.filter(job_id=run.job_id, scheduled_for__gt=run.scheduled_for, on_row_made_by=run.pk)
+        found = later.order_by("scheduled_for").values_list("pk", "scheduled_for").first()
+        return {run.pk: found} if found else {}
+    result: dict[int, tuple[int, object]] = {}
+    for start in range(0, len(ended), 2000):
+        chunk = ended[start:start + 2000]
+        rows = Run.objects.filter(job_id__in={r.job_id for r in chunk}, on_row_made_by__in=[r.pk for r in chunk])
+        for pk, by, when in rows.values_list("pk", "on_row_made_by", "scheduled_for"):
+            result[by] = (pk, when)
+    return result
 
 
 def merge(rows: list[RunEvent], on_row: list[RunEvent]) -> list[RunEvent]:
@@ -91,19 +109,16 @@ def timeline(run: Run, limit: int | None = None) -> list[RunEvent]:
 
 
 def timelines(runs: Iterable[Run]) -> dict[int, list[RunEvent]]:
-    """The timelines of many runs, in three reads: their rows, and the next runs
-    their succeeded entries name."""
+    """The timelines of many runs: their rows, and the next runs their succeeded
+    entries name, a read each per few thousand runs."""
     runs = list(runs)
     rows: dict[int, list[RunEvent]] = defaultdict(list)
     ids = [r.pk for r in runs]
     for start in range(0, len(ids), 5000):
         for event in RunEvent.objects.filter(run_id__in=ids[start:start + 5000]):
             rows[event.run_id].append(event)
-    next_ids = [r.on_row_next_run for r in runs if r.on_row & ON_ROW_SUCCEEDED and r.on_row_next_run is not None]
-    next_for: dict[int, object] = {}
-    for start in range(0, len(next_ids), 5000):
-        next_for.update(Run.objects.filter(pk__in=next_ids[start:start + 5000]).values_list("pk", "scheduled_for"))
-    return {r.pk: merge(rows.get(r.pk, []), on_row_entries(r, next_for)) for r in runs}
+    next_runs = made_by(runs)
+    return {r.pk: merge(rows.get(r.pk, []), on_row_entries(r, next_runs)) for r in runs}
 
 
 def timeline_types(run: Run) -> list[str]:

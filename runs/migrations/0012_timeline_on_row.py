@@ -54,7 +54,7 @@ class Migration(migrations.Migration):
             model_name="run", name="on_row_duration_ms", field=models.PositiveIntegerField(blank=True, null=True)
         ),
         migrations.AddField(
-            model_name="run", name="on_row_next_run", field=models.BigIntegerField(blank=True, null=True)
+            model_name="run", name="on_row_made_by", field=models.BigIntegerField(blank=True, null=True)
         ),
         migrations.RemoveIndex(model_name="run", name="runs_status_idx"),
         migrations.AddIndex(
