@@ -251,13 +251,16 @@ UPDATE runs AS r
        lease_owner = '',
        lease_expires_at = NULL,
        queued_at = CASE WHEN v.status = 'scheduled' THEN NULL ELSE r.queued_at END,
-       on_row = r.on_row | v.on_row,
+       on_row = r.on_row | CASE WHEN r.fence = v.fence THEN v.on_row ELSE 0 END,
        on_row_answer = v.answer,
        on_row_duration_ms = v.duration_ms
   FROM (VALUES {rows}) AS v(id, fence, status, finished_at, due_at, error, on_row, answer, duration_ms)
  WHERE r.id = v.id AND r.fence = v.fence AND r.status = 'running'
-RETURNING r.id
+RETURNING r.id, r.fence = v.fence
 """
+# The entries go on the row only under the row's own fence (r.fence = v.fence, always
+# true where the fence is checked): an on-row entry says the row's fence, so a write
+# the deliberate bug lets through under an older one is told by rows (its own fence).
 OUTCOME_ROW = (
     "(%s::bigint, %s::bigint, %s::varchar, %s::timestamptz, %s::timestamptz, %s::text, %s::smallint,"
     " %s::smallint, %s::integer)"
@@ -267,10 +270,23 @@ OUTCOME_ROW = (
 def record_outcomes(outcomes: list[Outcome]) -> set[int]:
     """Write each outcome under its fence; returns the runs whose write landed.
     A run missing from the answer had its lease taken over: a stale holder."""
+    return record_outcomes_on_row(outcomes)[0]
+
+
+def record_outcomes_on_row(outcomes: list[Outcome]) -> tuple[set[int], set[int]]:
+    """record_outcomes, and the runs whose outcome put its timeline entries on the row
+    (Outcome.on_row: only under the row's own fence)."""
     if not outcomes:
-        return set()
+        return set(), set()
     if connection.vendor != "postgresql":
-        return {o.run_id for o in outcomes if _record_one(o)}
+        landed, on_row = set(), set()
+        for o in outcomes:
+            placed = _record_one(o)
+            if placed is not None:
+                landed.add(o.run_id)
+                if placed:
+                    on_row.add(o.run_id)
+        return landed, on_row
     sql = OUTCOMES_SQL.format(rows=", ".join([OUTCOME_ROW] * len(outcomes)))
     if _fence_checks_disabled():
         sql = sql.replace("r.fence = v.fence AND ", "")
@@ -281,15 +297,22 @@ def record_outcomes(outcomes: list[Outcome]) -> set[int]:
                    o.duration_ms]
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
-        return {int(row[0]) for row in cursor.fetchall()}
+        rows = cursor.fetchall()
+    wanted = {o.run_id for o in outcomes if o.on_row}
+    return {int(row[0]) for row in rows}, {int(row[0]) for row in rows if row[1] and int(row[0]) in wanted}
 
 
-def _record_one(o: Outcome) -> bool:
+def _record_one(o: Outcome) -> bool | None:
+    """None: a stale holder; else whether its entries went on the row."""
     if o.status == S.SCHEDULED:
         assert o.due_at is not None
-        return schedule_retry(run_id=o.run_id, fence=o.fence, due_at=o.due_at, error=o.error)
-    return finish(run_id=o.run_id, fence=o.fence, status=o.status, now=o.now, error=o.error, on_row=o.on_row,
-                  answer=o.answer, duration_ms=o.duration_ms)
+        return False if schedule_retry(run_id=o.run_id, fence=o.fence, due_at=o.due_at, error=o.error) else None
+    if o.on_row and _fence_checks_disabled() and not Run.objects.filter(pk=o.run_id, fence=o.fence).exists():
+        o = Outcome(o.run_id, o.fence, o.status, o.now, error=o.error)  # the bug's write: told by rows
+    if not finish(run_id=o.run_id, fence=o.fence, status=o.status, now=o.now, error=o.error, on_row=o.on_row,
+                  answer=o.answer, duration_ms=o.duration_ms):
+        return None
+    return bool(o.on_row)
 
 
 def may_claim(run: Run, now: datetime) -> bool:

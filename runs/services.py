@@ -1179,7 +1179,7 @@ def _record_outcomes(calls: list[Call]) -> dict[int, str]:
             call.run.job = jobs.get(call.run.job_id) or call.run.job
         now = claims.store_now()  # a retry's due_at is read by the scanner in the store's clock
         decided = [(call, *_decide(call, now)) for call in calls]
-        landed = claims.record_outcomes([outcome for _, outcome, _ in decided])
+        landed, on_row = claims.record_outcomes_on_row([outcome for _, outcome, _ in decided])
         found = _hold_retries(
             [c.run for c, o, _ in decided if c.run.pk in landed and o.status == S.SCHEDULED], now
         )
@@ -1199,7 +1199,7 @@ def _record_outcomes(calls: list[Call]) -> dict[int, str]:
         for call, outcome, reason in decided:
             run, claim = call.run, call.claim
             # The happy path's answer and success went on the row with the outcome.
-            mark = events.on_row if run.pk in landed and outcome.on_row else (lambda e: e)
+            mark = events.on_row if run.pk in on_row else (lambda e: e)
             if call.result is not None:
                 found.append(mark(_answered_event(run, claim, call.result, now)))
             nxt = new_runs.get(run.job_id) if not run.is_backfill and not run.detached else None
