@@ -110,10 +110,9 @@ def _beat_side(layout: Layout, args: argparse.Namespace) -> dict[str, float]:
 
 
 def _our_side(layout: Layout, args: argparse.Namespace) -> dict[str, float]:
-    from django.db.models import Max
-
     from bench import load
-    from runs.models import RunEvent
+    from runs.models import Run
+    from runs.timeline import timelines_by_id
 
     target = layout.target(PORT)
     due = _next_minute(lead=30)
@@ -126,14 +125,17 @@ def _our_side(layout: Layout, args: argparse.Namespace) -> dict[str, float]:
         layout.scanner(f"scanner-{i + 1}")
     _workers(layout, args)
     _sleep_until(due)
-    wait_for(lambda: RunEvent.objects.filter(type="succeeded").count() >= args.schedules, 900, "our runs to succeed", interval=0.5)
-    dispatched = RunEvent.objects.filter(type="queued").aggregate(t=Max("at"))["t"]
+    wait_for(lambda: Run.objects.filter(status=Run.Status.SUCCEEDED).count() >= args.schedules, 900,
+             "our runs to succeed", interval=0.5)
+    # The `queued` entries, rows or on the run rows (runs.timeline).
+    queued = [e.at for found in timelines_by_id(types=("queued",)).values() for e in found]
+    dispatched = max(queued)
     target.signal(15)
     target.popen.wait(timeout=30)
     arrivals = layout.arrivals(PORT)
     layout.stop_all()
     return {
-        "count": RunEvent.objects.filter(type="queued").count(),
+        "count": len(queued),
         "dispatch_s": round(dispatched.timestamp() - due.timestamp(), 2),
         "execute_s": round(max(a for a, _ in arrivals) - due.timestamp(), 2),
     }

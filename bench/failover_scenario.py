@@ -101,7 +101,7 @@ def _holder(run_id: int) -> str:
 
 
 def _second_claim(run_id: int) -> float | None:
-    from runs.models import RunEvent
+    from runs.timeline import timelines_by_id
 
-    claims = list(RunEvent.objects.filter(run_id=run_id, type="claimed").order_by("at").values_list("at", flat=True))
+    claims = sorted(e.at for e in timelines_by_id([run_id], types=("claimed",)).get(run_id, []))
     return claims[1].timestamp() if len(claims) >= 2 else None

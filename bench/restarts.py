@@ -145,15 +145,13 @@ class RunRecord:
 def run_records(run_ids: list[int]) -> list[RunRecord]:
     from django.db import close_old_connections
 
-    from runs.models import Run, RunEvent
+    from runs.models import Run
+    from runs.timeline import timelines_by_id
 
     close_old_connections()
     published: dict[int, list[float]] = defaultdict(list)
-    for start in range(0, len(run_ids), 20_000):
-        chunk = run_ids[start: start + 20_000]
-        for run_id, at in RunEvent.objects.filter(run_id__in=chunk, type__in=("queued", "requeued")) \
-                .values_list("run_id", "at"):
-            published[run_id].append(at.timestamp())
+    for run_id, found in timelines_by_id(run_ids, types=("queued", "requeued")).items():
+        published[run_id] += [e.at.timestamp() for e in found]
     records = []
     for start in range(0, len(run_ids), 20_000):
         for run in Run.objects.filter(pk__in=run_ids[start: start + 20_000]).only("pk", "job_id", "scheduled_for"):
@@ -163,13 +161,12 @@ def run_records(run_ids: list[int]) -> list[RunRecord]:
 
 
 def events_after(run_ids: list[int], types: tuple[str, ...]) -> dict[str, list[float]]:
-    from runs.models import RunEvent
+    from runs.timeline import timelines_by_id
 
     found: dict[str, list[float]] = {t: [] for t in types}
-    for start in range(0, len(run_ids), 20_000):
-        for type_, at in RunEvent.objects.filter(run_id__in=run_ids[start: start + 20_000], type__in=types) \
-                .values_list("type", "at"):
-            found[type_].append(at.timestamp())
+    for entries in timelines_by_id(run_ids, types=types).values():
+        for e in entries:
+            found[e.type].append(e.at.timestamp())
     return {t: sorted(v) for t, v in found.items()}
 
 
@@ -224,12 +221,11 @@ def latest(records: list[RunRecord], calls: list[tuple[str, int, float]], n: int
 
 def timelines(run_ids: list[int]) -> dict[int, list[tuple[float, str, dict[str, Any]]]]:
     """Each run's events (store time, type, detail), for the JSON to explain a late run."""
-    from runs.models import RunEvent
+    from runs.timeline import timelines_by_id
 
     found: dict[int, list[tuple[float, str, dict[str, Any]]]] = defaultdict(list)
-    for run_id, at, type_, detail in RunEvent.objects.filter(run_id__in=run_ids).order_by("id") \
-            .values_list("run_id", "at", "type", "detail"):
-        found[run_id].append((round(at.timestamp(), 3), type_, detail or {}))
+    for run_id, entries in timelines_by_id(run_ids).items():
+        found[run_id] += [(round(e.at.timestamp(), 3), e.type, e.detail or {}) for e in entries]
     return dict(found)
 
 

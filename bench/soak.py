@@ -538,15 +538,15 @@ class Soak:
         return bool(found)
 
     def _duplicates_now(self) -> bool:
-        from runs.models import RunEvent
+        from runs.timeline import timelines_by_id
 
         if self.load_range is not None:
             found = soak_load.recorded_applied_twice()
         else:
+            # Rows and the entries on the run rows (runs.timeline), in timeline order.
             timeline: dict[int, list[tuple[datetime, str, dict[str, Any]]]] = defaultdict(list)
-            for run_id, at, type_, detail in RunEvent.objects.filter(type__in=APPLIED_EVIDENCE).order_by("id") \
-                    .values_list("run_id", "at", "type", "detail"):
-                timeline[run_id].append((at, type_, detail or {}))
+            for run_id, entries in timelines_by_id(types=APPLIED_EVIDENCE).items():
+                timeline[run_id] += [(e.at, e.type, e.detail or {}) for e in entries]
             found = recorded_applied_twice(timeline)
         twice = self.dbs.target_rows("SELECT key FROM soak_effects GROUP BY key HAVING count(*) > 1")
         if found or twice:
@@ -846,7 +846,8 @@ class Soak:
         from django.db import close_old_connections
 
         from runs import invariants
-        from runs.models import BreakerTransition, Run, RunEvent
+        from runs.models import BreakerTransition, Run
+        from runs.timeline import timelines_by_id
 
         self.memory.stop()
         measured_at = time.time()
@@ -864,14 +865,13 @@ class Soak:
         runs = {r.pk: r for r in small}
         # The timelines read in Python: the small jobs' runs, and the runs a worker had in flight
         # when it was lost (for the handover times). Under load, that is not every run.
-        events = RunEvent.objects.all()
+        wanted: list[int] | None = None  # every run's timeline
         if self.load_range is not None:
             lost = {run_id for loss in self.worker_losses for run_id, _ in loss["runs"]}
-            events = events.filter(run_id__in=list(runs) + sorted(lost))
+            wanted = list(runs) + sorted(lost)
         timeline: dict[int, list[tuple[datetime, str, dict[str, Any]]]] = defaultdict(list)
-        for run_id, at, type_, detail in events.order_by("id").values_list("run_id", "at", "type", "detail") \
-                .iterator(chunk_size=20_000):
-            timeline[run_id].append((at, type_, detail or {}))
+        for run_id, entries in timelines_by_id(run_ids=wanted).items():  # rows and the entries on the run rows
+            timeline[run_id] += [(e.at, e.type, e.detail or {}) for e in entries]
 
         due, lateness, lateness_plain = [], [], []
         for run in runs.values():

@@ -73,6 +73,21 @@ def _all(sql: str, params: Any) -> list[tuple[Any, ...]]:
         return cursor.fetchall()
 
 
+# A run's timeline in SQL: its event rows and the entries on its run row (runs.timeline:
+# the happy path's queued, claimed, target_answered and succeeded, by the bits of
+# runs.on_row), one relation with run_events' columns.
+TIMELINE = """(
+    SELECT run_id, at, type, detail FROM run_events
+    UNION ALL SELECT id, on_row_queued_at, 'queued', '{}'::jsonb FROM runs WHERE on_row & 2 <> 0
+    UNION ALL SELECT id, on_row_claimed_at, 'claimed',
+                     jsonb_build_object('fence', fence, 'worker', on_row_worker, 'attempt', attempt)
+                FROM runs WHERE on_row & 4 <> 0
+    UNION ALL SELECT id, finished_at, 'target_answered',
+                     jsonb_build_object('fence', fence, 'status', on_row_answer, 'duration_ms', on_row_duration_ms)
+                FROM runs WHERE on_row & 8 <> 0
+    UNION ALL SELECT id, finished_at, 'succeeded', jsonb_build_object('fence', fence) FROM runs WHERE on_row & 16 <> 0
+)"""
+
 def accounting(*, lo: int, hi: int, first: datetime, window_s: int, cutoff: datetime,
                steady: tuple[datetime, datetime] | None = None) -> dict[str, Any]:
     """Due, started, missed, and the rest, for every run of the load jobs; with `steady`
@@ -108,7 +123,7 @@ def accounting(*, lo: int, hi: int, first: datetime, window_s: int, cutoff: date
         SELECT count(*), max(late), percentile_disc(0.99) WITHIN GROUP (ORDER BY late),
                percentile_disc(0.5) WITHIN GROUP (ORDER BY late)
         FROM (SELECT extract(epoch FROM min(e.at) - (r.scheduled_for + make_interval(secs => %s))) AS late
-              FROM runs r JOIN run_events e ON e.run_id = r.id AND e.type = 'claimed'
+              FROM runs r JOIN """ + TIMELINE + """ e ON e.run_id = r.id AND e.type = 'claimed'
               WHERE r.job_id BETWEEN %s AND %s AND r.scheduled_for <= %s GROUP BY r.id) x""",
                 [window_s, lo, hi, last])
     throughput: dict[str, Any] = {}
@@ -148,13 +163,13 @@ def recorded_applied_twice(run_ids_above: int | None = None) -> list[str]:
     claim when its holder got a 2xx (`target_answered`); a run with two is a finding."""
     rows = _all("""
         WITH latest AS (
-            SELECT run_id, max((detail->>'fence')::bigint) AS fence FROM run_events
+            SELECT run_id, max((detail->>'fence')::bigint) AS fence FROM """ + TIMELINE + """ t
             WHERE type = 'claimed' AND jsonb_typeof(detail->'fence') = 'number' GROUP BY run_id
         ), fences AS (
-            SELECT run_id, (detail->>'fence')::bigint AS fence FROM run_events
+            SELECT run_id, (detail->>'fence')::bigint AS fence FROM """ + TIMELINE + """ t
             WHERE type = 'succeeded' AND jsonb_typeof(detail->'fence') = 'number'
             UNION
-            SELECT e.run_id, (e.detail->>'fence')::bigint FROM run_events e JOIN latest l ON l.run_id = e.run_id
+            SELECT e.run_id, (e.detail->>'fence')::bigint FROM """ + TIMELINE + """ e JOIN latest l ON l.run_id = e.run_id
             WHERE e.type = 'target_answered' AND jsonb_typeof(e.detail->'fence') = 'number'
               AND (e.detail->>'fence')::bigint = l.fence AND jsonb_typeof(e.detail->'status') = 'number'
               AND (e.detail->>'status')::numeric BETWEEN 200 AND 299
@@ -165,7 +180,7 @@ def recorded_applied_twice(run_ids_above: int | None = None) -> list[str]:
 
 
 def event_counts() -> dict[str, int]:
-    return dict(_all("SELECT type, count(*) FROM run_events GROUP BY type", []))
+    return dict(_all("SELECT type, count(*) FROM " + TIMELINE + " t GROUP BY type", []))
 
 
 
@@ -174,7 +189,7 @@ def flowing_again(since: datetime, within_s: float = 180) -> datetime | None:
     path (store, scanner, broker, worker) works again. bench/restarts.py's first_call_s,
     from the store's events."""
     row = _one("""
-        SELECT min(c.at) FROM run_events q JOIN run_events c ON c.run_id = q.run_id AND c.type = 'claimed'
+        SELECT min(c.at) FROM """ + TIMELINE + """ q JOIN """ + TIMELINE + """ c ON c.run_id = q.run_id AND c.type = 'claimed'
             AND c.at >= q.at
         WHERE q.type IN ('queued', 'requeued') AND q.at > %s AND q.at < %s""",
                [since, since + timedelta(seconds=within_s)])

@@ -12,7 +12,7 @@ from typing import Any
 from django.db.models import Prefetch, QuerySet
 
 from jobs.models import AuditEntry, Job
-from runs.models import JOBS_OPEN_RUN, Run, RunEvent
+from runs.models import JOBS_OPEN_RUN, Run
 
 # The statuses `?status=` accepts, in the order the docs list them.
 RUN_STATUSES: tuple[str, ...] = tuple(Run.Status.values)
@@ -52,9 +52,9 @@ def job_runs(job: Job) -> QuerySet[Run]:
 
 
 def run_get(user: Any, run_id: int) -> Run | None:
-    """One run with its whole timeline, oldest event first (RunEvent's ordering)."""
-    events = Prefetch("events", queryset=RunEvent.objects.order_by("at", "id"))
-    return runs_for(user).prefetch_related(events).filter(pk=run_id).first()
+    """One run with its whole timeline, oldest first, as `run.timeline`: its event
+    rows and the entries on its row (Run.timeline, read when serialized)."""
+    return runs_for(user).filter(pk=run_id).first()
 
 
 def runs_with_status(runs: QuerySet[Run], status: str | None) -> QuerySet[Run]:

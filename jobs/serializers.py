@@ -1043,7 +1043,8 @@ class RunEventSerializer(serializers.ModelSerializer):
 
 
 class RunDetailSerializer(RunSerializer):
-    events = RunEventSerializer(many=True, read_only=True, help_text="The run's timeline, oldest first.")
+    # The event rows and the entries on the run's row (runs.timeline), as selectors.run_get reads them.
+    events = RunEventSerializer(many=True, read_only=True, source="timeline", help_text="The run's timeline, oldest first.")
 
     class Meta(RunSerializer.Meta):
         fields = (*RunSerializer.Meta.fields, "events")

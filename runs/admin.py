@@ -28,6 +28,7 @@ from jobs.validators import target_key
 from runs import metrics, ops
 from runs.delivery import iso_z
 from runs.models import Notice, PausedTarget, Run, RunEvent
+from runs.timeline import timeline as run_timeline_entries
 
 S = Run.Status
 
@@ -183,7 +184,7 @@ def next_run_of(run: Run) -> Run | None:
 def run_live(run: Run) -> dict[str, Any]:
     """What the run page shows, as JSON: the run's fields, its timeline (as the page
     draws it) and the job's next run. Three queries."""
-    found = list(RunEvent.objects.filter(run=run).order_by("at", "id")[:LIVE_EVENTS])
+    found = run_timeline_entries(run, limit=LIVE_EVENTS)
     timeline = ops.run_timeline(run, found)
     nxt = next_run_of(run) if run.status in Run.TERMINAL else None
     return {
@@ -393,8 +394,7 @@ class RunAdmin(admin.ModelAdmin):
             extra_context or {}, show_save=False, show_save_and_continue=False, show_save_and_add_another=False
         )
         if run is not None:
-            found = list(RunEvent.objects.filter(run=run).order_by("at", "id"))
-            context["timeline"] = ops.run_timeline(run, found)
+            context["timeline"] = ops.run_timeline(run, run_timeline_entries(run))
             context["can_operate"] = self.has_change_permission(request, run)
             context["run"] = run
             # Read-only: titled for what it is, not "Change run".

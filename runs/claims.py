@@ -13,12 +13,12 @@ from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
 from typing import Any
 
-from django.db import connection
-from django.db.models import BooleanField, DateTimeField, Q, QuerySet
+from django.db import connection, transaction
+from django.db.models import BooleanField, DateTimeField, F, Q, QuerySet
 from django.db.models.expressions import Expression, RawSQL
 from django.utils import timezone
 
-from runs.models import Run
+from runs.models import ON_ROW_CLAIMED, ON_ROW_QUEUED, Run
 
 S = Run.Status
 
@@ -35,13 +35,22 @@ UPDATE runs
        attempt = attempt + 1,
        lease_owner = %s,
        lease_expires_at = {until},
-       started_at = COALESCE(started_at, {now})
+       started_at = COALESCE(started_at, {now}),
+       on_row = on_row | 4,
+       on_row_claimed_at = {now},
+       on_row_worker = %s
  WHERE id = %s
    AND held = %s
    AND due_at <= {now}
    AND (status = 'queued' OR (status = 'running' AND lease_expires_at < {now}))
+   AND (on_row & 4) = 0
 RETURNING fence, attempt, started_at
 """
+# The claim puts its `claimed` entry on the row (runs.timeline: bit 4, ON_ROW_CLAIMED).
+# A run whose row still carries an earlier claim's entry (a lease that ran out and is
+# taken over directly, with no event between) is not taken by it: claim_many turns
+# that entry into a row (runs.events.settle) and claims again.
+assert ON_ROW_CLAIMED == 4
 # The deliberate bug (see _fence_checks_disabled): any running run can be claimed.
 CLAIM_SQL_WITHOUT_LEASE_CHECK = CLAIM_SQL.replace(
     "(status = 'queued' OR (status = 'running' AND lease_expires_at < {now}))",
@@ -165,14 +174,8 @@ def _claim_sql(template: str, lease: timedelta) -> tuple[str, list[object], list
 def claim(*, run_id: int, worker: str, lease: timedelta) -> Claim | None:
     """Take the run's lease. None means someone else has it, or it is not due yet
     by the store's clock (see claim_many)."""
-    sql, until, now = _claim_sql(CLAIM_SQL_WITHOUT_LEASE_CHECK if _fence_checks_disabled() else CLAIM_SQL, lease)
-    with connection.cursor() as cursor:
-        cursor.execute(sql, [worker, *until, *now, run_id, False, *now, *now])
-        row = cursor.fetchone()
-    if row is None:
-        return None
-    return Claim(run_id=run_id, fence=int(row[0]), attempt=int(row[1]), worker=worker,
-                 started_at=_as_datetime(row[2]))
+    found = claim_many(run_ids=[run_id], worker=worker, lease=lease)
+    return found[0] if found else None
 
 
 def claim_many(*, run_ids: list[int], worker: str, lease: timedelta) -> list[Claim]:
@@ -181,18 +184,43 @@ def claim_many(*, run_ids: list[int], worker: str, lease: timedelta) -> list[Cla
     simply not returned."""
     if not run_ids:
         return []
+    taken = _claim_ids(run_ids, worker, lease)
+    left = set(run_ids) - {c.run_id for c in taken}
+    if left:
+        again = _settle_claimed(sorted(left))
+        if again:
+            taken += _claim_ids(again, worker, lease)
+    return taken
+
+
+def _claim_ids(run_ids: list[int], worker: str, lease: timedelta) -> list[Claim]:
     template = CLAIM_SQL_WITHOUT_LEASE_CHECK if _fence_checks_disabled() else CLAIM_SQL
     template = template.replace("WHERE id = %s", "WHERE id IN ({})".format(", ".join(["%s"] * len(run_ids))))
     template = template.replace("RETURNING fence, attempt", "RETURNING id, fence, attempt")
     assert "RETURNING id, fence, attempt, started_at" in template
     sql, until, now = _claim_sql(template, lease)
     with connection.cursor() as cursor:
-        cursor.execute(sql, [worker, *until, *now, *run_ids, False, *now, *now])
+        cursor.execute(sql, [worker, *until, *now, *now, worker, *run_ids, False, *now, *now])
         rows = cursor.fetchall()
     return [
         Claim(run_id=int(r[0]), fence=int(r[1]), attempt=int(r[2]), worker=worker, started_at=_as_datetime(r[3]))
         for r in rows
     ]
+
+
+def _settle_claimed(run_ids: list[int]) -> list[int]:
+    """Of runs the claim did not take, those whose row still carries an earlier claim's
+    entry: that entry (and the row's others) written as rows, so they can be claimed."""
+    from runs import events
+
+    with transaction.atomic():
+        free = Q(status=S.QUEUED) | Q(status=S.RUNNING, lease_expires_at__lt=StoreClock())
+        if _fence_checks_disabled():
+            free = Q(status__in=(S.QUEUED, S.RUNNING))
+        carrying = Run.objects.filter(free, pk__in=run_ids).values_list("pk", "on_row")
+        ids = [pk for pk, bits in carrying if bits & ON_ROW_CLAIMED]
+        events.write_settled(ids)
+    return ids
 
 
 @dataclass(frozen=True)
@@ -206,6 +234,10 @@ class Outcome:
     now: datetime
     error: str = ""
     due_at: datetime | None = None  # for a retry
+    # The timeline entries this outcome puts on the row (Run.on_row bits), and their facts.
+    on_row: int = 0
+    answer: int | None = None
+    duration_ms: int | None = None
 
 
 # A batch of outcomes in one statement (PostgreSQL): each row only under its fence,
@@ -218,38 +250,69 @@ UPDATE runs AS r
        last_error = v.error,
        lease_owner = '',
        lease_expires_at = NULL,
-       queued_at = CASE WHEN v.status = 'scheduled' THEN NULL ELSE r.queued_at END
-  FROM (VALUES {rows}) AS v(id, fence, status, finished_at, due_at, error)
+       queued_at = CASE WHEN v.status = 'scheduled' THEN NULL ELSE r.queued_at END,
+       on_row = r.on_row | CASE WHEN r.fence = v.fence THEN v.on_row ELSE 0 END,
+       on_row_answer = v.answer,
+       on_row_duration_ms = v.duration_ms
+  FROM (VALUES {rows}) AS v(id, fence, status, finished_at, due_at, error, on_row, answer, duration_ms)
  WHERE r.id = v.id AND r.fence = v.fence AND r.status = 'running'
-RETURNING r.id
+RETURNING r.id, r.fence = v.fence
 """
-OUTCOME_ROW = "(%s::bigint, %s::bigint, %s::varchar, %s::timestamptz, %s::timestamptz, %s::text)"
+# The entries go on the row only under the row's own fence (r.fence = v.fence, always
+# true where the fence is checked): an on-row entry says the row's fence, so a write
+# the deliberate bug lets through under an older one is told by rows (its own fence).
+OUTCOME_ROW = (
+    "(%s::bigint, %s::bigint, %s::varchar, %s::timestamptz, %s::timestamptz, %s::text, %s::smallint,"
+    " %s::smallint, %s::integer)"
+)
 
 
 def record_outcomes(outcomes: list[Outcome]) -> set[int]:
     """Write each outcome under its fence; returns the runs whose write landed.
     A run missing from the answer had its lease taken over: a stale holder."""
+    return record_outcomes_on_row(outcomes)[0]
+
+
+def record_outcomes_on_row(outcomes: list[Outcome]) -> tuple[set[int], set[int]]:
+    """record_outcomes, and the runs whose outcome put its timeline entries on the row
+    (Outcome.on_row: only under the row's own fence)."""
     if not outcomes:
-        return set()
+        return set(), set()
     if connection.vendor != "postgresql":
-        return {o.run_id for o in outcomes if _record_one(o)}
+        landed, on_row = set(), set()
+        for o in outcomes:
+            placed = _record_one(o)
+            if placed is not None:
+                landed.add(o.run_id)
+                if placed:
+                    on_row.add(o.run_id)
+        return landed, on_row
     sql = OUTCOMES_SQL.format(rows=", ".join([OUTCOME_ROW] * len(outcomes)))
     if _fence_checks_disabled():
         sql = sql.replace("r.fence = v.fence AND ", "")
     params: list[object] = []
     for o in outcomes:
         finished = None if o.status == S.SCHEDULED else o.now
-        params += [o.run_id, o.fence, o.status, finished, o.due_at, o.error[:2000]]
+        params += [o.run_id, o.fence, o.status, finished, o.due_at, o.error[:2000], o.on_row, o.answer,
+                   o.duration_ms]
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
-        return {int(row[0]) for row in cursor.fetchall()}
+        rows = cursor.fetchall()
+    wanted = {o.run_id for o in outcomes if o.on_row}
+    return {int(row[0]) for row in rows}, {int(row[0]) for row in rows if row[1] and int(row[0]) in wanted}
 
 
-def _record_one(o: Outcome) -> bool:
+def _record_one(o: Outcome) -> bool | None:
+    """None: a stale holder; else whether its entries went on the row."""
     if o.status == S.SCHEDULED:
         assert o.due_at is not None
-        return schedule_retry(run_id=o.run_id, fence=o.fence, due_at=o.due_at, error=o.error)
-    return finish(run_id=o.run_id, fence=o.fence, status=o.status, now=o.now, error=o.error)
+        return False if schedule_retry(run_id=o.run_id, fence=o.fence, due_at=o.due_at, error=o.error) else None
+    if o.on_row and _fence_checks_disabled() and not Run.objects.filter(pk=o.run_id, fence=o.fence).exists():
+        o = Outcome(o.run_id, o.fence, o.status, o.now, error=o.error)  # the bug's write: told by rows
+    if not finish(run_id=o.run_id, fence=o.fence, status=o.status, now=o.now, error=o.error, on_row=o.on_row,
+                  answer=o.answer, duration_ms=o.duration_ms):
+        return None
+    return bool(o.on_row)
 
 
 def may_claim(run: Run, now: datetime) -> bool:
@@ -284,8 +347,12 @@ def heartbeat(*, run_id: int, fence: int, lease: timedelta) -> bool:
     )
 
 
-def finish(*, run_id: int, fence: int, status: str, now: datetime, error: str = "") -> bool:
-    """Record a terminal outcome under the lease's fence. False: a stale holder."""
+def finish(
+    *, run_id: int, fence: int, status: str, now: datetime, error: str = "", on_row: int = 0,
+    answer: int | None = None, duration_ms: int | None = None,
+) -> bool:
+    """Record a terminal outcome under the lease's fence. False: a stale holder.
+    `on_row`: the timeline entries (Run.on_row bits) it puts on the row, with their facts."""
     return (
         Run.objects.filter(_holder(run_id, fence)).update(
             status=status,
@@ -293,9 +360,13 @@ def finish(*, run_id: int, fence: int, status: str, now: datetime, error: str = 
             last_error=error[:2000],
             lease_owner="",
             lease_expires_at=None,
+            on_row=F("on_row").bitor(on_row),
+            on_row_answer=answer,
+            on_row_duration_ms=duration_ms,
         )
         == 1
     )
+
 
 
 def schedule_retry(*, run_id: int, fence: int, due_at: datetime, error: str) -> bool:
@@ -416,5 +487,13 @@ def count_queued(*, partitions: list[int]) -> int:
     return Run.objects.filter(partition__in=partitions, status=S.QUEUED).count()
 
 
-def mark_queued(*, run_ids: list[int], now: datetime) -> int:
-    return Run.objects.filter(pk__in=run_ids, status=S.SCHEDULED).update(status=S.QUEUED, queued_at=now)
+def mark_queued(*, run_ids: list[int], now: datetime, on_row: bool = False) -> int:
+    """Scheduled to queued; `on_row`: the `queued` entry is on the row (runs.timeline),
+    its event not written as a row."""
+    if not run_ids:
+        return 0
+    if not on_row:
+        return Run.objects.filter(pk__in=run_ids, status=S.SCHEDULED).update(status=S.QUEUED, queued_at=now)
+    return Run.objects.filter(pk__in=run_ids, status=S.SCHEDULED).update(
+        status=S.QUEUED, queued_at=now, on_row=F("on_row").bitor(ON_ROW_QUEUED), on_row_queued_at=now
+    )

@@ -1,4 +1,10 @@
-"""A run's timeline: one row per thing that happened to it.
+"""A run's timeline: one row per thing that happened to it, but the happy path's.
+
+The happy path's entries (scheduled, queued, claimed, target_answered, succeeded)
+are on the run row (runs.timeline): the step that writes the row sets them, and
+hands its events here marked `on_row` only to be counted (runs.rollups). Any other
+event is a row; before the first rows of a run are written, the entries on its row
+become rows (settle), so a timeline reads rows, then the row's entries.
 
 Events are written in bulk where runs are handled in bulk. On PostgreSQL a batch
 goes in with COPY, several times cheaper than an INSERT of model instances (no
@@ -10,9 +16,9 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, NamedTuple
 
 from django.core.serializers.json import DjangoJSONEncoder
-from django.db import connection
+from django.db import connection, transaction
 
-from runs.models import RunEvent
+from runs.models import Run, RunEvent
 from scheduler_project import statement_counter
 
 if TYPE_CHECKING:
@@ -28,25 +34,61 @@ class Event(NamedTuple):
     type: str
     at: datetime
     detail: dict[str, Any]
+    # Already on the run row (its writer set Run.on_row): counted, not written.
+    on_row: bool = False
 
 
 def event(run_id: int, type_: str, at: datetime, **detail: Any) -> Event:
     return Event(run_id, type_, at, detail)
 
 
+def on_row(found: Event) -> Event:
+    return found._replace(on_row=True)
+
+
 def record(run_id: int, type_: str, at: datetime, **detail: Any) -> None:
-    RunEvent.objects.create(run_id=run_id, type=type_, at=at, detail=detail)
-    _count([Event(run_id, type_, at, detail)], None)
+    record_many([Event(run_id, type_, at, detail)])
 
 
 def record_many(events: Iterable[Event], *, runs: Mapping[int, "Run"] | None = None) -> None:
     """`runs` (optional: the batch's runs, job loaded, as read before this write) lets
     the rollups (runs.rollups) label calls by host and measure a first start's lag."""
-    rows = list(events)
-    if not rows:
+    found = list(events)
+    if not found:
         return
-    _write(rows)
-    _count(rows, runs)
+    rows = [e for e in found if not e.on_row]
+    if rows:
+        with transaction.atomic():
+            _write(settle({e.run_id for e in rows}) + rows)
+    _count(found, runs)
+
+
+def write_settled(run_ids: Iterable[int]) -> None:
+    """The entries on these runs' rows written as rows (see settle)."""
+    with transaction.atomic():
+        _write(settle(run_ids))
+
+
+def settle(run_ids: Iterable[int]) -> list[Event]:
+    """The entries on these runs' rows (runs.timeline), cleared from the rows (they
+    are locked until the transaction ends), as events for the caller to write before
+    its own: a run's rows are then always older than the entries on its row."""
+    from runs.timeline import ON_ROW_FIELDS, on_row_entries
+
+    ids = sorted(run_ids)
+    if not ids:
+        return []
+    assert connection.in_atomic_block, "settle writes the entries in the caller's transaction"
+    found: list[Event] = []
+    for start in range(0, len(ids), 5000):
+        chunk = ids[start:start + 5000]
+        runs = list(Run.objects.select_for_update().filter(pk__in=chunk).exclude(on_row=0).only(*ON_ROW_FIELDS))
+        if not runs:
+            continue
+        Run.objects.filter(pk__in=[r.pk for r in runs]).update(on_row=0)
+        for run in runs:
+            found += [Event(run.pk, e.type, e.at, e.detail) for e in on_row_entries(run)]
+    return found
 
 
 def _count(rows: list[Event], runs: Mapping[int, "Run"] | None) -> None:
@@ -56,6 +98,8 @@ def _count(rows: list[Event], runs: Mapping[int, "Run"] | None) -> None:
 
 
 def _write(rows: list[Event]) -> None:
+    if not rows:
+        return
     if connection.vendor == "postgresql" and len(rows) >= COPY_FROM:
         dumps = DjangoJSONEncoder(separators=(",", ":")).encode
         with connection.cursor() as cursor, cursor.cursor.copy(COPY_SQL) as copy:

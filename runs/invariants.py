@@ -18,6 +18,7 @@ from django.db.models import Count
 from jobs.public_ids import format_id
 
 from runs.models import JOBS_OPEN_RUN, Run, RunEvent
+from runs.timeline import ON_ROW_FIELDS, made_by, on_row_entries
 
 S = Run.Status
 TERMINAL_EVENTS = frozenset({"succeeded", "dead", "skipped", "cancelled"})
@@ -35,6 +36,7 @@ TAKEN_BACK = frozenset({"lease_expired", "bulkhead_wait", "held_by_breaker"})
 # it): each stamps `at` before its statement may wait on the other's row lock, so
 # id order and `at` order can disagree by that wait. Anything more is a bug.
 CLOCK_SLACK = timedelta(seconds=2)
+TIMELINE_CHUNK = 5_000  # runs read at a time by timelines()
 
 
 @dataclass(frozen=True)
@@ -58,29 +60,36 @@ def one_open_run_per_job() -> list[str]:
 
 
 def timelines(run_ids: Iterable[int] | None = None) -> list[str]:
-    """Every run's timeline is in order (see timeline_violations).
+    """Every run's timeline is in order (see timeline_violations): its event rows and
+    the entries on its run row (runs.timeline), which come after every row of their run.
 
-    The events are streamed in (run, id) order through a server-side cursor with each
-    run's status joined in, one run at a time: memory stays flat and the work linear
-    however many runs the store holds (a soak under load has hundreds of thousands)."""
-    events = RunEvent.objects.all() if run_ids is None else RunEvent.objects.filter(run_id__in=list(run_ids))
-    rows = events.filter(run__isnull=False).order_by("run_id", "id").values_list(
-        "run_id", "run__status", "id", "at", "type", "detail")
+    The runs are read in id order, CHUNK at a time, each chunk with its rows and its
+    next runs: memory stays flat and the work linear however many runs the store holds
+    (a soak under load has hundreds of thousands, most with no row at all)."""
+    runs = Run.objects.all() if run_ids is None else Run.objects.filter(pk__in=list(run_ids))
     problems: list[str] = []
-    current, status, found = None, "", []  # type: ignore[var-annotated]
-    for run_id, run_status, pk, at, type_, detail in rows.iterator(chunk_size=20_000):
-        if run_id != current:
-            if current is not None:
-                problems += [f"run_{current}: {p}" for p in timeline_violations(status, found)]
-            current, status, found = run_id, run_status, []
-        found.append(Event(pk, at, type_, detail or {}))
-    if current is not None:
-        problems += [f"run_{current}: {p}" for p in timeline_violations(status, found)]
+    after = 0
+    while True:
+        chunk = list(runs.filter(pk__gt=after).order_by("pk").only("status", *ON_ROW_FIELDS)[:TIMELINE_CHUNK])
+        if not chunk:
+            break
+        after = chunk[-1].pk
+        found: dict[int, list[Event]] = defaultdict(list)
+        rows = RunEvent.objects.filter(run_id__in=[run.pk for run in chunk]).order_by("run_id", "id")
+        for run_id, pk, at, type_, detail in rows.values_list("run_id", "id", "at", "type", "detail").iterator():
+            found[run_id].append(Event(pk, at, type_, detail or {}))
+        carrying = [run for run in chunk if run.on_row]
+        next_runs = made_by(carrying)
+        for run in carrying:
+            # As if their ids were the highest (id 0 in the messages: they have none).
+            found[run.pk] += [Event(0, e.at, e.type, e.detail) for e in on_row_entries(run, next_runs)]
+        for run in chunk:
+            problems += [f"run_{run.pk}: {p}" for p in timeline_violations(run.status, found.get(run.pk, []))]
     return problems
 
 
 def timeline_violations(status: str, events: list[Event]) -> list[str]:
-    """One run's timeline, events in id order:
+    """One run's timeline, events in id order (the entries on its row last):
 
     - `at` never goes backwards (beyond CLOCK_SLACK), a superseded holder's late
       events apart;

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from django.conf import settings
 from django.db import models
+from django.utils import timezone
+from django.utils.functional import cached_property
 
 from jobs.models import Job
 from jobs.public_ids import format_id
@@ -48,7 +50,26 @@ class Run(models.Model):
     # The dead list: an operator marks a dead run handled (or requeues it).
     handled_at = models.DateTimeField(null=True, blank=True)
     handled_by = models.CharField(max_length=150, blank=True)
-    created_at = models.DateTimeField(auto_now_add=True)
+    # Set by whoever makes the run (the `scheduled` entry's time when it is on the row);
+    # a default, not auto_now_add, so that a writer's own clock reading is kept.
+    created_at = models.DateTimeField(default=timezone.now)
+
+    # The happy path's timeline, on the row (runs.timeline): which entries are here
+    # rather than in run_events (ON_ROW_* bits), and the facts they are read from.
+    # Columns of their own, written only by the step that sets the bit (the run's
+    # creation, the queueing, the claim, the outcome), so no other write can change
+    # what an entry says; the first event row written for a run turns its on-row
+    # entries into rows first (runs.events.settle) and clears the bits.
+    on_row = models.PositiveSmallIntegerField(default=0)
+    on_row_due_at = models.DateTimeField(null=True, blank=True)  # `scheduled`: due_at as made
+    on_row_queued_at = models.DateTimeField(null=True, blank=True)  # `queued`
+    on_row_claimed_at = models.DateTimeField(null=True, blank=True)  # `claimed` (fence, attempt: the row's)
+    on_row_worker = models.CharField(max_length=200, blank=True)  # `claimed`'s worker
+    on_row_answer = models.PositiveSmallIntegerField(null=True, blank=True)  # `target_answered` status
+    on_row_duration_ms = models.PositiveIntegerField(null=True, blank=True)  # `target_answered`
+    # The run whose outcome made this one: that run's `succeeded` entry names this run
+    # (set with the insert, so the outcome needs no second write to name its next run).
+    on_row_made_by = models.BigIntegerField(null=True, blank=True)
 
     class Meta:
         db_table = "runs"
@@ -78,7 +99,10 @@ class Run(models.Model):
                 condition=models.Q(status="running"),
                 name="runs_lease_idx",
             ),
-            models.Index(fields=["status", "-id"], name="runs_status_idx"),
+            # The open-run counts and the `?status=` lists of the rarer statuses (the dead
+            # list). Not succeeded runs: a run's last version adds no entry here
+            # (`?status=succeeded`, newest first, reads runs_pkey backwards).
+            models.Index(fields=["status", "-id"], condition=~models.Q(status="succeeded"), name="runs_status_idx"),
             # prune_runs and the lag figures read finished runs only: open runs (and
             # their three updates each on the way to done) stay out of this index.
             models.Index(
@@ -105,12 +129,26 @@ class Run(models.Model):
     def is_open(self) -> bool:
         return self.status in self.OPEN
 
+    @cached_property
+    def timeline(self) -> list["RunEvent"]:
+        """Its whole timeline, oldest first: event rows and the entries on this row."""
+        from runs.timeline import timeline
+
+        return timeline(self)
+
 
 # The job's own open run, the one runs_one_open_run_per_job keeps to one: scheduled,
 # queued or running, not an extra run (a backfill, run-now, a requeued dead run) and not
 # detached (overlap `allow`: a run in flight beside it). An allow-job's detached runs
 # are its other open runs; every other job's open run is this one.
 JOBS_OPEN_RUN = models.Q(status__in=Run.OPEN, is_backfill=False, detached=False)
+
+# Run.on_row bits: the happy path's five timeline entries, each on the row while set.
+ON_ROW_SCHEDULED = 1
+ON_ROW_QUEUED = 2
+ON_ROW_CLAIMED = 4
+ON_ROW_ANSWERED = 8
+ON_ROW_SUCCEEDED = 16
 
 
 class RunEvent(models.Model):

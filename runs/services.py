@@ -29,7 +29,7 @@ from jobs.validators import check_resolved_target, target_key
 from runs import breakers, bulk, bulkhead, claims, delivery, events, notices, publishing
 from runs.claims import Claim
 from runs.delivery import CallResult
-from runs.models import JOBS_OPEN_RUN, Run
+from runs.models import ON_ROW_ANSWERED, ON_ROW_SCHEDULED, ON_ROW_SUCCEEDED, JOBS_OPEN_RUN, Run
 from runs.signals import job_paused, run_dead
 
 logger = logging.getLogger("scheduler.runs")
@@ -55,18 +55,21 @@ def run_create(
     *, job: Job, scheduled_for: datetime, now: datetime, is_backfill: bool = False, reason: str = ""
 ) -> Run:
     window = timedelta(seconds=job.window_seconds)
+    due_at = schedule.spread_due_at(job.pk, scheduled_for, window)
     run = Run.objects.create(
         job=job,
         scheduled_for=scheduled_for,
-        due_at=schedule.spread_due_at(job.pk, scheduled_for, window),
+        due_at=due_at,
         partition=job.partition,
         held=is_held(job),
         is_backfill=is_backfill,
+        # Its `scheduled` entry is on the row (runs.timeline), unless it has a reason.
+        created_at=now,
+        on_row=0 if reason else ON_ROW_SCHEDULED,
+        on_row_due_at=None if reason else due_at,
     )
-    detail = {"scheduled_for": delivery.iso_z(run.scheduled_for), "due_at": delivery.iso_z(run.due_at)}
-    if reason:
-        detail["reason"] = reason
-    events.record(run.pk, "scheduled", now, **detail)
+    detail = {"reason": reason} if reason else {}
+    events.record_many([_scheduled_event(run, now, detail)])
     return run
 
 
@@ -231,8 +234,9 @@ def job_next_runs(
         when = plans[job.pk].time
         assert when is not None  # jobs past ends_at were completed above
         flight = (in_flight or {}).get(job.pk)
+        made_by = flight.run_id if flight is not None else None
         if flight is None or not job.is_recurring or when > now or when < flight.started_at:
-            rows.append(_open_row(job, when, job.pk in held))
+            rows.append(_open_row(job, when, job.pk in held, now=None if reason else now, made_by=made_by))
             continue
         plan = _overlap_plan(job, first=when, since=since, now=now)
         skipped += _skip_overlapped(job, plan, flight, now)
@@ -240,7 +244,8 @@ def job_next_runs(
         if plan.next_time is None:  # the times that passed in flight were its last (ends_at)
             ended_in_flight.add(job.pk)
             continue
-        rows.append(_open_row(job, plan.next_time, job.pk in held, due_now=now if plan.buffered else None))
+        rows.append(_open_row(job, plan.next_time, job.pk in held, due_now=now if plan.buffered else None,
+                              now=None if reason else now, made_by=made_by))
     _complete(ended_in_flight, now)
     inserted, refused = bulk.insert_open_runs(rows)
     created = {r.job_id: r for r in inserted}
@@ -251,11 +256,17 @@ def job_next_runs(
             created[run.job_id] = run
     detail = {"reason": reason} if reason else {}
     found = excluded + [
-        events.event(r.pk, "scheduled", now, scheduled_for=delivery.iso_z(r.scheduled_for),
-                     due_at=delivery.iso_z(r.due_at), **detail)
+        _scheduled_event(r, now, detail)
         for r in created.values()
     ]
     return created, skipped + found
+
+
+def _scheduled_event(run: Run, now: datetime, detail: dict[str, str]) -> events.Event:
+    """A new run's `scheduled` event: on its row when the insert put it there."""
+    found = events.event(run.pk, "scheduled", now, scheduled_for=delivery.iso_z(run.scheduled_for),
+                         due_at=delivery.iso_z(run.due_at), **detail)
+    return events.on_row(found) if run.on_row & ON_ROW_SCHEDULED else found
 
 
 def excluded_times_skip(plans: list[tuple[Job, schedule.NextTime]], now: datetime) -> list[events.Event]:
@@ -301,11 +312,18 @@ def excluded_times_skip(plans: list[tuple[Job, schedule.NextTime]], now: datetim
     return found
 
 
-def _open_row(job: Job, when: datetime, held: bool, due_now: datetime | None = None) -> Run:
+def _open_row(job: Job, when: datetime, held: bool, due_now: datetime | None = None, *,
+              now: datetime | None = None, made_by: int | None = None) -> Run:
+    """A next run to insert; with `now`, its `scheduled` entry (at `now`) is on its row;
+    `made_by`: the run whose outcome makes it (whose `succeeded` entry names it)."""
     due_at = schedule.spread_due_at(job.pk, when, timedelta(seconds=job.window_seconds))
     if due_now is not None:
         due_at = max(due_at, due_now)
-    return Run(job=job, scheduled_for=when, due_at=due_at, partition=job.partition, held=held)
+    run = Run(job=job, scheduled_for=when, due_at=due_at, partition=job.partition, held=held,
+              on_row_made_by=made_by)
+    if now is not None:
+        run.created_at, run.on_row, run.on_row_due_at = now, ON_ROW_SCHEDULED, due_at
+    return run
 
 
 # ------------------------------------------------------------------ overlap
@@ -451,7 +469,8 @@ def _place_after_clash(job: Job, row: Run, now: datetime) -> Run | None:
         if earlier is not None and earlier.status == S.CANCELLED:
             # A buffered overlap run keeps its due_at (due now) at its own time.
             keep_due = row.due_at if when == row.scheduled_for else None
-            return run_reopen(run=earlier, job=job, now=now, held=row.held, not_before=keep_due)
+            return run_reopen(run=earlier, job=job, now=now, held=row.held, not_before=keep_due,
+                              made_by=row.on_row_made_by)
         if earlier is not None and not job.is_recurring:
             _complete({job.pk}, now)
             return None
@@ -460,23 +479,30 @@ def _place_after_clash(job: Job, row: Run, now: datetime) -> Run | None:
             events.record_many(excluded_times_skip([(job, plan)], now))
             when = plan.time
             continue
-        inserted, _ = bulk.insert_open_runs([_open_row(job, when, row.held)])
+        inserted, _ = bulk.insert_open_runs([_open_row(job, when, row.held, now=now if row.on_row else None,
+                                                       made_by=row.on_row_made_by)])
         if inserted:
             return inserted[0]
     logger.error("%s: no free time for its next run after %d tries", job.public_id, MAX_TAKEN_TIMES)
     return None
 
 
-def run_reopen(*, run: Run, job: Job, now: datetime, held: bool, not_before: datetime | None = None) -> Run:
+def run_reopen(
+    *, run: Run, job: Job, now: datetime, held: bool, not_before: datetime | None = None, made_by: int | None = None
+) -> Run:
     """A cancelled run becomes the job's waiting run again (its time is unique per
     job, so schedule A -> B -> A finds A's cancelled row there). Its `scheduled`
-    event is the caller's to write. `not_before`: its due_at is no earlier."""
+    event is the caller's to write. `not_before`: its due_at is no earlier.
+    `made_by`: the run whose outcome reopens it (its `succeeded` entry names it)."""
     due_at = schedule.spread_due_at(job.pk, run.scheduled_for, timedelta(seconds=job.window_seconds))
     if not_before is not None:
         due_at = max(due_at, not_before)
+    if run.on_row_made_by is not None:
+        # The run that made it first still names it from its row: that entry becomes a row.
+        events.write_settled([run.on_row_made_by])
     Run.objects.filter(pk=run.pk).update(
         status=S.SCHEDULED, due_at=due_at, held=held, finished_at=None, queued_at=None, is_backfill=False,
-        last_error="",
+        last_error="", on_row_made_by=made_by,
     )
     run.refresh_from_db()
     return run
@@ -832,9 +858,10 @@ def _claim_wave(runs: list[Run], worker: str, lease: timedelta) -> tuple[list[Cl
         runs_by_id = {r.pk: r for r in runs}
         # The claim's own clock is at least the due time (it checks) and at least `now`
         # (read just before it): the event says no earlier than either.
+        # On the row (claims.CLAIM_SQL): counted here, not written.
         events.record_many(
-            (events.event(c.run_id, "claimed", max(now, runs_by_id[c.run_id].due_at), fence=c.fence, worker=worker,
-                          attempt=c.attempt) for c in taken),
+            (events.on_row(events.event(c.run_id, "claimed", max(now, runs_by_id[c.run_id].due_at), fence=c.fence,
+                                        worker=worker, attempt=c.attempt)) for c in taken),
             runs=runs_by_id,  # as read before the claim: a first start has no started_at yet
         )
         _detach_claimed([(runs_by_id[c.run_id], c) for c in taken], allow_jobs, now)
@@ -1086,6 +1113,10 @@ def _decide(call: Call, now: datetime) -> tuple[claims.Outcome, str]:
         return claims.Outcome(run.pk, claim.fence, S.DEAD, now, error=call.refusal), call.refusal
     assert result is not None
     if result.ok:
+        if result.published is None and result.status is not None and result.duration_ms is not None:
+            # The happy path: its answer and its success on the row (runs.timeline).
+            return claims.Outcome(run.pk, claim.fence, S.SUCCEEDED, now, on_row=ON_ROW_ANSWERED | ON_ROW_SUCCEEDED,
+                                  answer=result.status, duration_ms=result.duration_ms), ""
         return claims.Outcome(run.pk, claim.fence, S.SUCCEEDED, now), ""
     tries = claim.attempt - run.attempt_base  # calls in this round (a requeue starts a new one)
     if result.retryable and tries <= job.retry_max and job.state == Job.State.DELETED:
@@ -1158,7 +1189,7 @@ def _record_outcomes(calls: list[Call]) -> dict[int, str]:
             call.run.job = jobs.get(call.run.job_id) or call.run.job
         now = claims.store_now()  # a retry's due_at is read by the scanner in the store's clock
         decided = [(call, *_decide(call, now)) for call in calls]
-        landed = claims.record_outcomes([outcome for _, outcome, _ in decided])
+        landed, on_row = claims.record_outcomes_on_row([outcome for _, outcome, _ in decided])
         found = _hold_retries(
             [c.run for c, o, _ in decided if c.run.pk in landed and o.status == S.SCHEDULED], now
         )
@@ -1177,8 +1208,10 @@ def _record_outcomes(calls: list[Call]) -> dict[int, str]:
         dead_notices: list[notices.Notice | None] = []
         for call, outcome, reason in decided:
             run, claim = call.run, call.claim
+            # The happy path's answer and success went on the row with the outcome.
+            mark = events.on_row if run.pk in on_row else (lambda e: e)
             if call.result is not None:
-                found.append(_answered_event(run, claim, call.result, now))
+                found.append(mark(_answered_event(run, claim, call.result, now)))
             nxt = new_runs.get(run.job_id) if not run.is_backfill and not run.detached else None
             then = {"next_run": nxt.public_id, "next_scheduled_for": delivery.iso_z(nxt.scheduled_for)} if nxt else {}
             if run.pk not in landed:
@@ -1187,7 +1220,7 @@ def _record_outcomes(calls: list[Call]) -> dict[int, str]:
                 logger.warning("run %s: stale write from fence %s refused", run.public_id, claim.fence)
                 outcomes[run.pk] = "stale_write_rejected"
             elif outcome.status == S.SUCCEEDED:
-                found.append(events.event(run.pk, "succeeded", now, fence=claim.fence, **then))
+                found.append(mark(events.event(run.pk, "succeeded", now, fence=claim.fence, **then)))
                 outcomes[run.pk] = "succeeded"
             elif outcome.status == S.SCHEDULED:
                 found.append(events.event(run.pk, "retry_scheduled", now, due_at=delivery.iso_z(outcome.due_at),

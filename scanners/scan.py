@@ -350,9 +350,15 @@ def _queue_on_time(runs: list[Run], found: list[events.Event], now: datetime, re
 
 
 def _mark_queued(runs: list[Run], found: list[events.Event], now: datetime) -> None:
-    ids = [run.pk for run in runs]
-    claims.mark_queued(run_ids=ids, now=now)
-    events.record_many([*found, *(events.event(i, "queued", now) for i in ids)])
+    # The `queued` entry goes on the row (runs.timeline), but for a run that has an
+    # event of this scan before it: a row, after that one.
+    told = {e.run_id for e in found}
+    ids = [run.pk for run in runs if run.pk not in told]
+    rows = [run.pk for run in runs if run.pk in told]
+    claims.mark_queued(run_ids=ids, now=now, on_row=True)
+    claims.mark_queued(run_ids=rows, now=now)
+    events.record_many([*found, *(events.event(i, "queued", now) for i in rows),
+                        *(events.on_row(events.event(i, "queued", now)) for i in ids)])
 
 
 def _set_aside(run: Run, now: datetime, exc: Exception, result: ScanResult) -> None:

@@ -49,3 +49,36 @@ def expire_lease(run_id: int) -> None:
     from runs.claims import StoreClock
 
     Run.objects.filter(pk=run_id).update(lease_expires_at=StoreClock(-timedelta(seconds=1)))
+
+
+# A run's timeline as the API reads it (runs.timeline: event rows and the entries on
+# the run's row), for tests that assert what happened to a run.
+
+
+def timeline_of(run: Run | int) -> list[Any]:
+    """The run's whole timeline, oldest first, read fresh (the row may have changed)."""
+    from runs.timeline import timeline
+
+    return timeline(Run.objects.get(pk=run if isinstance(run, int) else run.pk))
+
+
+def timeline_types(run: Run | int) -> list[str]:
+    return [e.type for e in timeline_of(run)]
+
+
+def entries(run: Run | int, type_: str) -> list[Any]:
+    return [e for e in timeline_of(run) if e.type == type_]
+
+
+def entry(run: Run | int, type_: str) -> Any:
+    """The run's one entry of that type (an error if there is none, or more than one)."""
+    found = entries(run, type_)
+    assert len(found) == 1, f"{len(found)} {type_} entries: {[e.type for e in timeline_of(run)]}"
+    return found[0]
+
+
+def timelines_of(run_ids: Any) -> dict[int, list[Any]]:
+    """Many runs' timelines by run id (runs.timeline.timelines)."""
+    from runs.timeline import timelines
+
+    return timelines(Run.objects.filter(pk__in=list(run_ids)))

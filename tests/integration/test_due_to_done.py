@@ -20,6 +20,7 @@ from jobs.services import job_create, service_account_ensure
 from runs.models import Run, TargetSlot
 from tests.integration.conftest import Api, Broker, PrivateRedis, Stack, wait_for
 from tests.target import LoopbackTarget
+from tests.factories import timeline_types, entry
 
 pytestmark = [pytest.mark.integration, pytest.mark.zookeeper]
 S = Run.Status
@@ -44,7 +45,7 @@ def finished(job: dict[str, Any], status: str = S.SUCCEEDED) -> Run | None:
 
 
 def event_types(run: Run) -> list[str]:
-    return list(run.events.order_by("at", "id").values_list("type", flat=True))
+    return timeline_types(run)
 
 
 @pytest.mark.amqp
@@ -110,7 +111,7 @@ def test_a_flaky_target_is_retried_with_one_key_and_rising_fences(stack: Stack, 
     assert len(target.calls("/down")) == 3 and dead_down.attempt == 3
     dead_list = api.get("/api/runs/", status="dead")
     assert {r["id"] for r in dead_list["results"]} == {dead_bad.public_id, dead_down.public_id}
-    told = dead_down.events.get(type="dead")
+    told = entry(dead_down, "dead")
     assert told.detail["notified"] == "owner@example.test"
     assert "dead" in stack.procs[1].output()  # the worker logged it
 

@@ -16,6 +16,7 @@ from jobs.services import job_create, service_account_ensure
 from runs.models import Run
 from tests.integration.conftest import PrivateRedis, Stack, wait_for
 from tests.target import LoopbackTarget
+from tests.factories import timeline_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.zookeeper]
 S = Run.Status
@@ -33,7 +34,7 @@ def one_off(target: LoopbackTarget, path: str, in_seconds: int) -> Run:
 
 
 def events_of(run: Run) -> dict[str, Any]:
-    return {e.type: e for e in run.events.order_by("at", "id")}
+    return {e.type: e for e in timeline_of(run)}
 
 
 def scanning(proc: Any) -> bool:

@@ -22,7 +22,7 @@ from jobs.services import job_pause, service_account_ensure
 from runs import claims
 from runs.models import Run, RunEvent
 from scanners.wakeups import listen_params
-from tests.factories import make_job, make_run
+from tests.factories import make_job, make_run, timeline_of
 from tests.integration.conftest import Proc, Stack, wait_for
 
 pytestmark = [pytest.mark.integration]
@@ -62,7 +62,7 @@ def seconds(a: datetime, b: datetime) -> float:
 
 
 def event_at(run: Run, kind: str) -> datetime | None:
-    return RunEvent.objects.filter(run=run, type=kind).values_list("at", flat=True).first()
+    return next((e.at for e in timeline_of(run) if e.type == kind), None)
 
 
 def queued_at(run: Run) -> datetime | None:

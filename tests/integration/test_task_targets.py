@@ -18,6 +18,7 @@ from bench.harness import Proc
 from jobs.services import service_tasks_grant
 from runs.models import Run
 from tests.integration.conftest import Api, Stack, wait_for
+from tests.factories import timeline_types, entries, entry
 
 pytestmark = [pytest.mark.integration, pytest.mark.zookeeper]
 S = Run.Status
@@ -64,7 +65,7 @@ def ended(job: dict[str, Any], status: str) -> Run | None:
 
 
 def event_types(run: Run) -> list[str]:
-    return list(run.events.order_by("at", "id").values_list("type", flat=True))
+    return timeline_types(run)
 
 
 @pytest.fixture
@@ -113,7 +114,7 @@ def test_a_task_job_runs_its_task_once_per_run_and_the_task_sees_the_run_headers
         assert (seen["task"], seen["args"], seen["kwargs"]) == (TASK, [f"label-{n}"], {"n": n})
         types = event_types(run)
         assert types == ["scheduled", "queued", "claimed", "published", "succeeded"]
-        published = run.events.get(type="published").detail
+        published = entry(run, "published").detail
         assert published["queue"] == queue and published["broker"] == tasks_broker
     assert sorted(team.effects()) == sorted(f"label-{n}|{r.idempotency_key}|1" for n, r in zip((1, 2), runs))
 

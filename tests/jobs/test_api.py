@@ -17,6 +17,7 @@ from jobs.models import Job
 from runs.models import Run, RunEvent
 from tests.conftest import Service
 from tests.jobs.conftest import error_messages, row_counts
+from tests.factories import timeline_types
 
 # Also run on the embedded defaults (SQLite): the API must behave the same there.
 pytestmark = pytest.mark.embedded
@@ -76,7 +77,7 @@ def test_creating_a_cron_job_answers_201_with_its_first_run_in_utc(service: Serv
     run = Run.objects.get(job=job)
     assert body["next_run"]["id"] == f"run_{run.pk}"
     assert run.scheduled_for == at("2026-10-28T20:30:00Z")
-    assert list(run.events.values_list("type", flat=True)) == ["scheduled"]
+    assert timeline_types(run) == ["scheduled"]
 
 
 def test_creating_applies_the_contract_defaults(service: Service) -> None:
@@ -402,7 +403,7 @@ def test_patching_the_schedule_replaces_the_waiting_run(service: Service) -> Non
     assert body["next_run"]["id"] != old_run
     old = Run.objects.get(pk=int(old_run.removeprefix("run_")))
     assert old.status == Run.Status.CANCELLED
-    assert list(old.events.values_list("type", flat=True)) == ["scheduled", "cancelled"]
+    assert timeline_types(old) == ["scheduled", "cancelled"]
 
 
 @time_machine.travel(FROZEN, tick=False)

@@ -20,6 +20,7 @@ from runs.services import run_execute
 from scanners.scan import scan_once
 from tests.conftest import Service
 from tests.target import LoopbackTarget
+from tests.factories import entries, entry as timeline_entry
 
 S = Run.Status
 
@@ -206,7 +207,7 @@ def test_retrying_a_dead_run_answers_200_and_the_target_gets_the_same_key_and_th
     assert int(second.headers["X-Fence-Token"]) > int(first.headers["X-Fence-Token"])
     dead.refresh_from_db()
     assert (dead.status, dead.attempt) == (S.SUCCEEDED, 2)
-    requeued = dead.events.get(type="requeued")
+    requeued = timeline_entry(dead, "requeued")
     assert requeued.detail["by"] == "reports" and requeued.detail["previous_attempts"] == 1
     entry = AuditEntry.objects.get(action="requeued", object_id=dead.public_id)
     assert (entry.via, entry.actor) == ("api", "reports")
@@ -248,7 +249,7 @@ def test_retrying_twice_is_a_409_the_second_time(service: Service, target: Loopb
     assert retry(service, dead).status_code == 200
     again = retry(service, dead)
     assert (again.status_code, again.json()) == (409, {"detail": f"{dead.public_id} is scheduled, not dead"})
-    assert dead.events.filter(type="requeued").count() == 1
+    assert len(entries(dead, "requeued")) == 1
 
 
 @pytest.mark.django_db

@@ -21,7 +21,7 @@ from runs.models import Run
 from runs.services import run_execute_many
 from scanners.scan import scan_once
 from tests.conftest import Service
-from tests.factories import utc
+from tests.factories import utc, timeline_types, entry
 from tests.jobs.conftest import error_messages, row_counts
 from tests.target import LoopbackTarget
 
@@ -419,7 +419,7 @@ def test_an_every_1s_job_excluded_for_a_day_writes_a_bounded_number_of_skipped_r
 
     skipped = list(Run.objects.filter(job=job, status=Run.Status.SKIPPED).order_by("scheduled_for"))
     assert [iso_z(r.scheduled_for) for r in skipped] == [f"2026-12-25T00:00:0{i}Z" for i in range(5)]
-    details = [r.events.get(type="skipped").detail for r in skipped]
+    details = [entry(r, "skipped").detail for r in skipped]
     assert details[:4] == [{"reason": "excluded"}] * 4
     assert details[4] == {"reason": "excluded", "excluded_without_row": 86_400 - 5}
     assert Run.objects.get(job=job, status=Run.Status.SCHEDULED).scheduled_for == utc("2026-12-26T00:00:00Z")
@@ -444,7 +444,7 @@ def test_taking_a_date_out_of_exclude_cancels_its_skipped_row_and_runs_that_time
     assert changed["next_run"]["scheduled_for"] == "2026-12-25T09:00:00Z"
     christmas.refresh_from_db()
     assert christmas.status == Run.Status.SCHEDULED
-    assert list(christmas.events.values_list("type", flat=True)) == ["skipped", "cancelled", "scheduled"]
+    assert timeline_types(christmas) == ["skipped", "cancelled", "scheduled"]
 
 
 @pytest.mark.django_db(transaction=True)

@@ -14,7 +14,7 @@ from jobs.services import job_pause
 from runs import ops
 from runs.models import PausedTarget, Run, RunEvent
 from runs.services import run_execute
-from tests.factories import make_run
+from tests.factories import make_run, timeline_types, entry
 from tests.ops.conftest import ago, dead_run, new_job
 
 pytestmark = pytest.mark.django_db
@@ -22,7 +22,7 @@ S = Run.Status
 
 
 def types(run: Run) -> list[str]:
-    return list(run.events.order_by("at", "id").values_list("type", flat=True))
+    return timeline_types(run)
 
 
 def test_a_requeued_dead_run_keeps_its_key_and_fence_beside_the_jobs_open_run(owner: Any) -> None:
@@ -38,7 +38,7 @@ def test_a_requeued_dead_run_keeps_its_key_and_fence_beside_the_jobs_open_run(ow
     assert dead.due_at <= timezone.now()
     # The job's own waiting run is untouched: two open runs, one of them extra.
     assert Run.objects.filter(job=job, status=S.SCHEDULED).count() == 2
-    requeued = dead.events.get(type="requeued")
+    requeued = entry(dead, "requeued")
     assert requeued.detail["by"] == "olga" and requeued.detail["previous_attempts"] == 4
     assert AuditEntry.objects.filter(action="requeued", object_id=dead.public_id).exists()
 

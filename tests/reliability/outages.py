@@ -20,6 +20,7 @@ from jobs.services import job_create, service_account_ensure
 from runs import invariants
 from runs.models import Run, RunEvent
 from tests.counting_target import CountingTarget
+from tests.factories import timelines_of
 
 ALL = frozenset(range(16))
 LINE = re.compile(r"^partitions \[([\d, ]*)\] at ([\d.]+)\s*$", re.M)
@@ -105,8 +106,9 @@ def uncovered(procs: Iterable[Proc], since: float, until: float) -> list[tuple[f
 def events_between(run_ids: list[int], type_: str, start: float, end: float) -> list[tuple[int, datetime]]:
     close_old_connections()
     lo, hi = (datetime.fromtimestamp(t, timezone.utc) for t in (start, end))
-    return list(RunEvent.objects.filter(run_id__in=run_ids, type=type_, at__gte=lo, at__lte=hi)
-                .values_list("run_id", "at"))
+    # The timelines as the API reads them (runs.timeline: rows and the entries on the run rows).
+    return [(run_id, e.at) for run_id, found in timelines_of(run_ids).items() for e in found
+            if e.type == type_ and lo <= e.at <= hi]
 
 
 def all_succeeded(run_ids: list[int]) -> bool:
@@ -127,9 +129,8 @@ def verdict(run_ids: list[int], target: CountingTarget, *, once_per_key: bool) -
     close_old_connections()
     runs = list(Run.objects.filter(pk__in=run_ids))
     timeline: dict[int, list[tuple[datetime, str, dict[str, Any]]]] = defaultdict(list)
-    for run_id, at, type_, detail in (RunEvent.objects.filter(run_id__in=run_ids).order_by("id")
-                                      .values_list("run_id", "at", "type", "detail")):
-        timeline[run_id].append((at, type_, detail or {}))
+    for run_id, found in timelines_of(run_ids).items():
+        timeline[run_id] += [(e.at, e.type, e.detail or {}) for e in found]
     applied = target.applied()
     sent = target.calls_per_key()
     violations = (invariants.one_open_run_per_job() + invariants.timelines(run_ids)

@@ -23,6 +23,7 @@ from tests.counting_target import CountingTarget
 from tests.integration.conftest import Stack, wait_for
 from tests.rabbitmq import RabbitVhost, rabbit_vhost_or_skip
 from tests.reliability import outages
+from tests.factories import timelines_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.zookeeper]
 CLOSES = 2
@@ -45,7 +46,8 @@ def flowing_again(run_ids: list[int], target: CountingTarget, since: float) -> f
     """Seconds from `since` to the first call of a run queued after `since`."""
     close_old_connections()
     lo = datetime.fromtimestamp(since, timezone.utc)
-    ids = RunEvent.objects.filter(run_id__in=run_ids, type="queued", at__gt=lo).values_list("run_id", flat=True)
+    ids = [run_id for run_id, found in timelines_of(run_ids).items() if any(e.type == "queued" and e.at > lo
+                                                                             for e in found)]
     queued_after = {run.idempotency_key for run in Run.objects.filter(pk__in=list(ids))}
     arrivals = [at for key, _, at in target.received() if key in queued_after and at > since]
     return min(arrivals) - since if arrivals else None

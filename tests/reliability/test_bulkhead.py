@@ -12,7 +12,7 @@ from django.utils import timezone
 from runs import bulkhead
 from runs.models import Run, TargetSlot
 from runs.services import run_execute
-from tests.factories import make_job, make_run
+from tests.factories import make_job, make_run, entry, timeline_of
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.embedded]
 S = Run.Status
@@ -90,7 +90,7 @@ def test_a_run_over_the_limit_goes_back_to_scheduled_without_spending_a_try() ->
     run.refresh_from_db()
     assert run.status == S.SCHEDULED and run.attempt == 0 and run.fence == 0 and run.started_at is None
     assert before < run.due_at <= timezone.now() + timedelta(seconds=1.5)
-    wait = run.events.get(type="bulkhead_wait")
+    wait = entry(run, "bulkhead_wait")
     assert wait.detail["host"] == HOST and wait.detail["limit"] == 1
     assert holders() == [busy.holder]  # nothing left behind
 
@@ -109,4 +109,4 @@ def test_a_run_someone_holds_is_neither_deferred_nor_given_a_slot() -> None:
     Run.objects.filter(pk=run.pk).update(status=S.RUNNING, lease_expires_at=timezone.now() + LEASE, fence=1)
     assert run_execute(run_id=run.pk, worker="w2") == "not_claimed"
     run.refresh_from_db()
-    assert run.status == S.RUNNING and not holders() and not run.events.exists()
+    assert run.status == S.RUNNING and not holders() and not timeline_of(run)

@@ -22,6 +22,7 @@ from runs.models import Run, RunEvent
 from runs.tasks import execute_runs
 from tests.integration.conftest import Stack, target, wait_for  # noqa: F401 (target is a fixture)
 from tests.target import LoopbackTarget
+from tests.factories import timeline_types, entry
 
 pytestmark = [pytest.mark.integration, pytest.mark.zookeeper]
 S = Run.Status
@@ -60,7 +61,7 @@ def one_off(url: str, at: datetime) -> Run:
 
 
 def types(run: Run) -> list[str]:
-    return list(RunEvent.objects.filter(run=run).order_by("at", "id").values_list("type", flat=True))
+    return timeline_types(run)
 
 
 def test_a_fast_worker_and_scanner_neither_claim_nor_release_a_live_lease_of_a_true_clock_worker(
@@ -120,7 +121,7 @@ def test_a_skewed_worker_killed_mid_call_has_its_run_recovered_within_a_lease_an
     print(f"worker {offset:+d} s killed -> lease taken back: {(recovered - killed).total_seconds():.2f} s "
           f"by the store's clock (lease {LEASE} s, scan {scan:g} s)")
     assert recovered - killed <= timedelta(seconds=LEASE + scan + 1.0), recovered - killed
-    expired_at = RunEvent.objects.get(run=run, type="lease_expired").at
+    expired_at = entry(run, "lease_expired").at
     assert expired_at > killed, (killed, expired_at)  # the live lease was not taken back before the kill
     assert Run.objects.get(pk=run.pk).status in (S.QUEUED, S.RUNNING)
 
@@ -139,7 +140,7 @@ def test_a_skewed_worker_calls_a_run_queued_ahead_at_its_due_time_by_the_stores_
 
     [call] = wait_for(lambda: target.calls("/ahead"), 30, what="the call")
     run.refresh_from_db()
-    queued = RunEvent.objects.get(run=run, type="queued").at
+    queued = entry(run, "queued").at
     assert queued <= run.due_at - timedelta(seconds=1)  # queued ahead (scans every 0.5 s)
     # The target and the store keep the true clock (one machine).
     assert run.due_at.timestamp() <= call.at <= run.due_at.timestamp() + 1.0

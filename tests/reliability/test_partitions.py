@@ -39,6 +39,7 @@ from tests.counting_target import CountingTarget
 from tests.integration.conftest import Stack, wait_for
 from tests.netns import LinksUnavailable, SilentLinks
 from tests.netproxy import NetProxy
+from tests.factories import entry, timeline_of
 from tests.reliability.outages import (
     ALL, all_succeeded, first_line_after, one_offs, overlaps, owned, problems, split, status_counts, verdict,
 )
@@ -113,7 +114,7 @@ def test_a_worker_cut_off_from_postgresql_mid_call_is_taken_over_under_a_newer_f
         counting_target.delay(call)
         [first] = one_offs(counting_target.url(), first_in=0, seconds=1, per_second=1)
         wait_for(counting_target.received, 30, what="the first run's call to reach the target")
-        claim = RunEvent.objects.get(run_id=first, type="claimed")
+        claim = entry(first, "claimed")
         name = claim.detail["worker"].split("@", 1)[0]  # "<node name>@<host>/<pid>/<thread>"
         cut, proxy = workers[name], proxies[name]
         cut_at = proxy.drop()  # the call is in flight: it lands, its outcome cannot be written
@@ -121,8 +122,8 @@ def test_a_worker_cut_off_from_postgresql_mid_call_is_taken_over_under_a_newer_f
 
         def after_cut(type_: str, **detail: int) -> RunEvent | None:
             close_old_connections()
-            return (RunEvent.objects.filter(run_id=first, type=type_, **{f"detail__{k}__gt": v for k, v in detail.items()})
-                    .order_by("id").first())
+            return next((e for e in timeline_of(first) if e.type == type_
+                         and all(e.detail.get(k, 0) > v for k, v in detail.items())), None)
 
         expired = wait_for(lambda: after_cut("lease_expired"), 3 * lease + 30, what="the scanner to take the lease back")
         again = wait_for(lambda: after_cut("claimed", fence=1), 30, interval=0.05,

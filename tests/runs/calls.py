@@ -9,7 +9,7 @@ from django.utils import timezone
 from jobs.models import Job
 from jobs.secrets import encrypt_headers
 from runs.models import Run
-from tests.factories import make_job, make_run
+from tests.factories import make_job, make_run, timeline_of
 
 
 def queued_run(owner: Any, target: str, *, secret: dict[str, str] | None = None, **fields: Any) -> Run:
@@ -22,7 +22,7 @@ def queued_run(owner: Any, target: str, *, secret: dict[str, str] | None = None,
 
 
 def events_of(run: Run) -> list[tuple[str, dict[str, Any]]]:
-    return [(e.type, e.detail) for e in run.events.order_by("at", "id")]
+    return [(e.type, e.detail) for e in timeline_of(run)]
 
 
 def job_of(run: Run) -> Job:

@@ -30,7 +30,7 @@ from runs.models import Run
 from runs.ops import target_pause
 from runs.services import run_execute, run_execute_many
 from scanners.scan import due_slice, run_messages, scan_once
-from tests.factories import make_job, make_run
+from tests.factories import make_job, make_run, timeline_types, entries, entry
 from tests.target import LoopbackTarget
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -65,7 +65,7 @@ def queued_ahead(job: Job, seconds: float, now: datetime | None = None) -> Run:
 
 
 def types(run: Run) -> list[str]:
-    return list(run.events.order_by("at", "id").values_list("type", flat=True))
+    return timeline_types(run)
 
 
 # --------------------------------------------------------------------------- the scan
@@ -156,7 +156,7 @@ def test_a_run_queued_ahead_is_called_at_its_due_time_not_before(service: Any, t
     run.refresh_from_db()
     [call] = target.calls("/hook")
     assert run.due_at <= run.started_at  # the claim, in the store's clock
-    assert run.due_at <= run.events.get(type="claimed").at  # and so says its timeline
+    assert run.due_at <= entry(run, "claimed").at  # and so says its timeline
     assert run.due_at.timestamp() <= call.at <= run.due_at.timestamp() + LATE_BOUND  # one machine: one clock
     assert types(run) == ["scheduled", "claimed", "target_answered", "succeeded"]
 
@@ -170,7 +170,7 @@ def test_a_worker_whose_clock_runs_ahead_waits_by_the_stores_clock(service: Any,
     run.refresh_from_db()
     [call] = target.calls("/hook")
     assert run.due_at <= run.started_at and run.due_at.timestamp() <= call.at
-    assert run.events.filter(type="claimed").count() == 1
+    assert len(entries(run, "claimed")) == 1
 
 
 def _estimate_off_by(seconds: float, times: int) -> Callable[[], tuple[datetime, float]]:

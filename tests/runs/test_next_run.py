@@ -24,6 +24,7 @@ from runs.ops import target_pause
 from runs.services import run_execute, run_execute_many
 from scanners.scan import scan_once
 from tests.target import LoopbackTarget
+from tests.factories import entry, timeline_types
 
 pytestmark = pytest.mark.django_db(transaction=True)
 S = Run.Status
@@ -144,7 +145,7 @@ def test_a_next_run_time_taken_by_a_backfill_costs_only_that_job(service: Any, t
     [nxt] = open_normal_runs(clashing)
     assert nxt.scheduled_for == taken + timedelta(minutes=5)
     assert Run.objects.get(pk=extra.pk).status == S.SCHEDULED
-    first_done = Run.objects.get(pk=first.pk).events.get(type="succeeded")
+    first_done = entry(first, "succeeded")
     assert first_done.detail["next_run"] == nxt.public_id
     [other_next] = open_normal_runs(other)
     assert other_next.scheduled_for == second.scheduled_for + timedelta(minutes=5)
@@ -209,7 +210,7 @@ def test_a_job_deleted_during_the_call_gets_no_next_run(service: Any, target: Ga
     assert during_the_call(target, run, lambda: job_delete(job=job)) == "succeeded"
     assert open_normal_runs(job) == []
     assert Run.objects.filter(job=job).exclude(pk=run.pk).exclude(status=S.CANCELLED).count() == 0
-    assert "next_run" not in Run.objects.get(pk=run.pk).events.get(type="succeeded").detail
+    assert "next_run" not in entry(run, "succeeded").detail
 
 
 def test_a_job_deleted_during_a_failing_call_gets_no_retry(service: Any, target: GatedTarget) -> None:
@@ -432,7 +433,7 @@ def test_a_deleted_jobs_run_whose_worker_died_is_cancelled_not_started_again(ser
 
     run.refresh_from_db()
     assert run.status == S.CANCELLED and run.pk not in result.lease_expired
-    assert list(run.events.values_list("type", flat=True))[-2:] == ["lease_expired", "cancelled"]
+    assert timeline_types(run)[-2:] == ["lease_expired", "cancelled"]
     assert Run.objects.filter(job=job, status__in=Run.OPEN).count() == 0
 
 

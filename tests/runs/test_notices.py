@@ -21,7 +21,7 @@ from runs.models import Notice, Run
 from runs.services import run_execute
 from runs.signing import live_secrets
 from scheduler_project.settings import email_settings
-from tests.factories import make_job, make_run
+from tests.factories import make_job, make_run, entry
 from tests.runs.calls import queued_run
 from tests.target import LoopbackTarget
 from tests.webhook import HttpsWebhook
@@ -165,7 +165,7 @@ def test_a_dead_run_in_the_worker_only_writes_an_outbox_row(
     assert (notice.kind, notice.status, notice.tries) == ("dead", NS.PENDING, 0)
     assert "HTTP 400" in notice.reason
     assert webhook.calls() == []  # the worker did not call the webhook: the sender will
-    assert run.events.get(type="dead").detail["notified"] == webhook.url("/hook")
+    assert entry(run, "dead").detail["notified"] == webhook.url("/hook")
     notices.notices_send()
     assert len(webhook.calls("/hook")) == 1
 

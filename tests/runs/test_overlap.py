@@ -35,7 +35,7 @@ from runs.models import JOBS_OPEN_RUN, Run, RunEvent
 from runs.services import run_execute
 from runs.signals import job_paused
 from scanners.scan import scan_once
-from tests.factories import make_run, utc
+from tests.factories import make_run, utc, timeline_types, entries
 from tests.target import LoopbackTarget
 
 # Also on the embedded defaults (SQLite): the claim hands back started_at in its text form there.
@@ -133,7 +133,7 @@ def rows_after(job: Job, run: Run) -> list[Run]:
 
 
 def event_types(run: Run) -> list[str]:
-    return list(RunEvent.objects.filter(run=run).order_by("id").values_list("type", flat=True))
+    return timeline_types(run)
 
 
 # --------------------------------------------------------------------------- overlap
@@ -469,7 +469,7 @@ def test_a_30s_call_on_an_every_10s_job_under_allow_runs_every_time_beside_it_wi
     for ran, nxt in zip(runs, runs[1:]):
         [detached] = RunEvent.objects.filter(run=ran, type="detached")
         assert ran.detached and detached.detail["next_run"] == nxt.public_id
-        [done] = RunEvent.objects.filter(run=ran, type="succeeded")
+        [done] = entries(ran, "succeeded")
         assert "next_run" not in done.detail
     assert not runs[-1].detached
     assert scan().misfired == 0

@@ -21,7 +21,7 @@ from jobs.services import job_create, service_tasks_grant
 from runs import ops
 from runs.models import Run
 from runs.services import run_execute, run_execute_many
-from tests.factories import make_job
+from tests.factories import make_job, timeline_of, timeline_types, entry
 
 pytestmark = pytest.mark.django_db(transaction=True)
 S = Run.Status
@@ -62,7 +62,7 @@ def queue_now(job: Job) -> Run:
 
 
 def types(run: Run) -> list[str]:
-    return list(run.events.order_by("at", "id").values_list("type", flat=True))
+    return timeline_types(run)
 
 
 def messages(url: str, queue: str) -> list[dict[str, Any]]:
@@ -98,7 +98,7 @@ def test_a_task_jobs_run_publishes_one_celery_message_with_the_run_headers(grant
     assert headers["scheduled_for"] == f"{run.scheduled_for:%Y-%m-%dT%H:%M:%SZ}"
     args, kwargs, _embed = json.loads(base64.b64decode(message["body"]))
     assert (args, kwargs) == ([7, "full"], {"dry_run": False})
-    published = run.events.get(type="published").detail
+    published = entry(run, "published").detail
     assert published["queue"] == queue and published["task_id"] == headers["id"]
     assert published["broker"] == url and published["fence"] == 1
     assert Run.objects.filter(job=job, status=S.SCHEDULED).count() == 1  # the next run
@@ -113,8 +113,8 @@ def test_the_published_event_shows_the_broker_without_its_password(granted: Any,
         run_execute(run_id=run.pk, worker="w1")
     run.refresh_from_db()
     assert run.status == S.SUCCEEDED
-    assert run.events.get(type="published").detail["broker"] == url.replace(":hunter2@", ":**@")
-    text = json.dumps(list(run.events.values_list("detail", flat=True))) + run.last_error
+    assert entry(run, "published").detail["broker"] == url.replace(":hunter2@", ":**@")
+    text = json.dumps([e.detail for e in timeline_of(run)]) + run.last_error
     assert "hunter2" not in text
     messages(redis_broker(), queue)
 
@@ -131,7 +131,7 @@ def test_a_broker_that_refuses_the_publish_is_retried_then_dead(granted: Any, qu
         assert run_execute(run_id=run.pk, worker="w1") == "dead"
     run.refresh_from_db()
     assert run.status == S.DEAD and run.attempt == 2
-    dead = run.events.get(type="dead").detail["reason"]
+    dead = entry(run, "dead").detail["reason"]
     assert dead.startswith("out of tries after 2 attempts: publish to") and "connection refused" in dead
     assert "published" not in types(run)
 
@@ -249,7 +249,7 @@ def test_on_amqp_the_run_succeeds_on_the_brokers_confirm_and_the_message_waits_o
         message.ack()
     assert headers["task"] == "reports.tasks.rebuild" and headers["idempotency_key"] == run.idempotency_key
     assert headers["fence_token"] == 1
-    assert run.events.get(type="published").detail["broker"] == rabbitmq_vhost.replace(":guest@", ":**@")
+    assert entry(run, "published").detail["broker"] == rabbitmq_vhost.replace(":guest@", ":**@")
 
 
 def test_requeue_dead_takes_a_celery_key_for_task_jobs(granted: Any, queue: str) -> None:

@@ -18,7 +18,7 @@ from runs.models import Notice, Run
 from runs.notices import notices_send
 from runs.services import run_execute
 from runs.signals import run_dead
-from tests.factories import expire_lease, make_job, make_run
+from tests.factories import expire_lease, make_job, make_run, timeline_types, entry
 from tests.target import LoopbackTarget
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -46,7 +46,7 @@ def queue_now(job: Job) -> Run:
 
 
 def types(run: Run) -> list[str]:
-    return list(run.events.order_by("at", "id").values_list("type", flat=True))
+    return timeline_types(run)
 
 
 @pytest.mark.embedded
@@ -58,7 +58,7 @@ def test_a_successful_call_records_the_outcome_and_creates_the_next_run(service:
     assert run.status == S.SUCCEEDED and run.attempt == 1 and run.fence == 1
     assert types(run) == ["scheduled", "claimed", "target_answered", "succeeded"]
     nxt = Run.objects.get(job=job, status=S.SCHEDULED)
-    assert run.events.get(type="succeeded").detail["next_run"] == nxt.public_id
+    assert entry(run, "succeeded").detail["next_run"] == nxt.public_id
     assert nxt.scheduled_for == run.scheduled_for + timedelta(minutes=5)
     [call] = target.calls("/ok")
     assert call.headers["Idempotency-Key"] == f"{job.public_id}@{run.scheduled_for:%Y-%m-%dT%H:%M:%SZ}"
@@ -112,7 +112,7 @@ def test_a_400_sends_the_run_to_the_dead_list_at_once_and_tells_the_owner(servic
     with override_settings(SCHEDULER_EMAIL_ENABLED=True):
         notices_send()
     assert len(mail.outbox) == 1 and mail.outbox[0].to == ["reports@example.test"]
-    dead = run.events.get(type="dead")
+    dead = entry(run, "dead")
     assert dead.detail["notified"] == "reports@example.test"
     assert Run.objects.filter(job=job, status=S.SCHEDULED).count() == 1  # the schedule goes on
 
@@ -192,7 +192,7 @@ def test_a_stale_holder_cannot_record_its_outcome(service: Any, target: Loopback
     thread.join()
     assert taken is not None and taken.fence == 2
     assert outcome == ["stale_write_rejected"]
-    rejected = run.events.get(type="stale_write_rejected")
+    rejected = entry(run, "stale_write_rejected")
     assert rejected.detail == {"fence": 1, "worker": "frozen"}
     run.refresh_from_db()
     assert run.status == S.RUNNING and run.fence == 2

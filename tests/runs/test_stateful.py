@@ -79,6 +79,7 @@ from jobs.services import (
 from runs import claims
 from runs import services as run_services
 from runs.models import JOBS_OPEN_RUN, Run, RunEvent
+from runs.timeline import timelines
 from runs.services import Call, lease_length, run_claim_many, run_execute_many, run_record_outcomes
 from scanners.scan import scan_once
 from tests.factories import utc
@@ -200,6 +201,9 @@ class ModelJob:
     paused_itself: int = 0  # times it paused itself (each with an audit entry)
     paused_until: datetime | None = None
     resumed_itself: int = 0  # times the scanner resumed it at its paused_until
+    # The overlap policy in force when each of its normal runs ended (by scheduled_for):
+    # a happy-path outcome's entry is on the run row (runs.timeline), with no event id.
+    policy_at_end: dict[datetime, str] = field(default_factory=dict)
 
     def overlap_at(self, event_id: int) -> str:
         return [policy for mark, policy in self.overlaps if mark < event_id][-1]
@@ -209,6 +213,7 @@ class ModelJob:
         a dead one, when the job's latest `limit` runs that ran (by time) all ended dead."""
         if outcome not in ("succeeded", "dead"):
             return
+        self.policy_at_end[scheduled_for] = self.overlaps[-1][1]
         self.ran.append((scheduled_for, outcome))
         if outcome == "dead":
             limit = self.pause_after_failures
@@ -608,9 +613,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         rows: dict[int, list[Run]] = {pk: [] for pk in self.model}
         for run in Run.objects.filter(job_id__in=list(self.model)).order_by("scheduled_for"):
             rows[run.job_id].append(run)
-        timeline: dict[int, list[RunEvent]] = {}
-        for ev in RunEvent.objects.filter(run__job_id__in=list(self.model)).order_by("id"):
-            timeline.setdefault(ev.run_id, []).append(ev)
+        # Each run's timeline as the API reads it (runs.timeline: rows, then the row's entries).
+        timeline: dict[int, list[RunEvent]] = timelines(r for job_rows in rows.values() for r in job_rows)
         audited = Counter(AuditEntry.objects.filter(actor="scheduler").values_list("object_id", "action"))
         for pk, mj in self.model.items():
             state = mj.expected_state(rows[pk])
@@ -792,7 +796,7 @@ def check_overlap(mj: ModelJob, rows: list[Run], timeline: dict[int, list[RunEve
             continue  # deleted, or a one-off: no next run
         nxt_at = datetime.fromisoformat(nxt.replace("Z", "+00:00"))
         latest = max(r.scheduled_for for r in skipped)
-        policy = mj.overlap_at(told[-1].id)
+        policy = mj.overlap_at(told[-1].id) if told[-1].id is not None else mj.policy_at_end[ran.scheduled_for]
         note(f"overlap rows under {policy}")
         if policy == "skip" or nxt_at > ended_at:
             assert nxt_at > ended_at, f"job {mj.pk} (overlap skip): its next run {nxt} has passed at {ended_at}"

@@ -13,7 +13,7 @@ from jobs.services import job_create, job_pause, job_resume
 from runs import claims
 from runs.models import Run
 from scanners.scan import scan_once
-from tests.factories import expire_lease, utc
+from tests.factories import expire_lease, utc, timeline_types, entry
 
 pytestmark = pytest.mark.django_db
 S = Run.Status
@@ -38,7 +38,7 @@ def test_a_due_run_is_queued_and_a_future_one_is_not(service: Any) -> None:
     result = scan_once(partitions=ALL, now=T0 + timedelta(seconds=31), publish=False)
     run = Run.objects.get(job=job)
     assert result.queued == [run.pk] and run.status == S.QUEUED
-    assert list(run.events.values_list("type", flat=True)) == ["scheduled", "queued"]
+    assert timeline_types(run) == ["scheduled", "queued"]
 
 
 def test_a_scanner_reads_only_its_own_partitions(service: Any) -> None:
@@ -83,7 +83,7 @@ def test_a_late_run_follows_its_jobs_misfire_policy(service: Any, policy: str, e
     got = statuses(job)
     assert got == [(t, s) for t, s in expected if s is not None]
     first = Run.objects.get(job=job, scheduled_for=utc("2026-10-28T20:30:00Z"))
-    misfired = first.events.get(type="misfired")
+    misfired = entry(first, "misfired")
     assert misfired.detail["policy"] == policy
 
 
@@ -132,7 +132,7 @@ def test_a_run_whose_lease_ran_out_is_queued_again(service: Any) -> None:
     result = scan_once(partitions=ALL, now=T0 + timedelta(seconds=93), publish=False)
     assert result.lease_expired == [run_id]
     run = Run.objects.get(pk=run_id)
-    assert run.status == S.QUEUED and "lease_expired" in run.events.values_list("type", flat=True)
+    assert run.status == S.QUEUED and "lease_expired" in timeline_types(run)
 
 
 @override_settings(SCHEDULER_REQUEUE_AFTER=30)

@@ -24,7 +24,7 @@ from runs.models import Run
 from runs.services import run_next_create
 from scanners import scan
 from scanners.scan import scan_once
-from tests.factories import make_run, utc
+from tests.factories import make_run, utc, timeline_types, entries, entry
 
 pytestmark = pytest.mark.django_db
 S = Run.Status
@@ -81,7 +81,7 @@ def test_a_time_still_inside_its_grace_is_not_missed_but_becomes_the_next_run(
     assert queued == ran
     assert times_with(job, S.SKIPPED) == skipped
     on_time = Run.objects.get(job=job, scheduled_for=utc("2026-10-28T20:32:00Z"))
-    assert "misfired" not in on_time.events.values_list("type", flat=True)
+    assert "misfired" not in timeline_types(on_time)
 
 
 @pytest.mark.embedded
@@ -151,13 +151,13 @@ def test_a_late_run_whose_stored_schedule_no_longer_parses_costs_that_run_only(
     # The bad one is dead, its reason on its timeline, and is not tried again.
     dead = late[bad.pk]
     assert dead.status == S.DEAD and why in dead.last_error
-    error = dead.events.get(type="scan_error")
+    error = entry(dead, "scan_error")
     assert why in error.detail["reason"]
-    assert dead.events.filter(type="dead").count() == 1
+    assert len(entries(dead, "dead")) == 1
     again = scan_once(partitions=ALL, now=BACK + timedelta(seconds=1), publish=False)
-    assert dead.pk not in again.queued and dead.events.filter(type="scan_error").count() == 1
+    assert dead.pk not in again.queued and len(entries(dead, "scan_error")) == 1
     assert Run.objects.filter(job=bad, status__in=[S.SCHEDULED, S.QUEUED]).count() == 0
-    assert "next_run_error" in dead.events.get(type="dead").detail  # no next time can be worked out
+    assert "next_run_error" in entry(dead, "dead").detail  # no next time can be worked out
     assert invariants.timelines() == [] and invariants.one_open_run_per_job() == []
 
 
@@ -182,7 +182,7 @@ def test_a_late_run_whose_next_time_is_taken_goes_on_at_the_first_free_time(serv
     # The job goes on at the first time no run has: after both backfills.
     nxt = Run.objects.get(job=clashing, status=S.SCHEDULED, is_backfill=False)
     assert nxt.scheduled_for == utc("2026-10-28T20:34:00Z")
-    assert late.events.get(type="next_run_created").detail["run"] == nxt.public_id
+    assert entry(late, "next_run_created").detail["run"] == nxt.public_id
     assert invariants.timelines() == [] and invariants.one_open_run_per_job() == []
 
 
@@ -207,7 +207,7 @@ def test_a_run_the_bulk_queue_statement_cannot_write_is_set_aside_and_the_rest_a
     good = sorted(r.pk for r in runs.values() if r.pk != bad.pk)
     assert sorted(result.queued) == good and sorted(published(broker)) == good
     bad.refresh_from_db()
-    assert bad.status == S.DEAD and "this row cannot be queued" in bad.events.get(type="scan_error").detail["reason"]
+    assert bad.status == S.DEAD and "this row cannot be queued" in entry(bad, "scan_error").detail["reason"]
 
 
 # ------------------------------------------------------------------ defect 10

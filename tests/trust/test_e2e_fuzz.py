@@ -68,6 +68,7 @@ from runs.models import BreakerTransition, Run, RunEvent, TargetBreaker
 from runs.services import run_execute_many
 from tests.conftest import Service
 from tests.trust.raw_target import ECHO_MARKER, Connection, Exchange, RawRecordingTarget
+from tests.factories import timelines_of
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -677,7 +678,9 @@ class Fuzz:
         stored = {
             "runs.last_error": list(Run.objects.filter(job__in=jobs).values_list("last_error", flat=True)),
             "run_events.detail": [json.dumps(d, ensure_ascii=False) for d in
-                                  RunEvent.objects.filter(run__job__in=jobs).values_list("detail", flat=True)],
+                                  [e.detail for found in timelines_of(Run.objects.filter(job__in=jobs)
+                                                                      .values_list("pk", flat=True)).values()
+                                   for e in found]],
             "target_breakers.last_error": list(TargetBreaker.objects.values_list("last_error", flat=True)),
             "target_breaker_transitions.detail": [json.dumps(d, ensure_ascii=False) for d in
                                                   BreakerTransition.objects.values_list("detail", flat=True)],
