@@ -34,6 +34,7 @@ import pytest
 from django.db import close_old_connections
 
 from runs.models import Run, RunEvent
+from runs.timeline import timelines_by_id
 from bench.harness import Proc
 from tests.counting_target import CountingTarget
 from tests.integration.conftest import Stack, wait_for
@@ -222,9 +223,11 @@ def _start_lags(run_ids: list[int], since: float, until: float) -> list[tuple[fl
     close_old_connections()
     lo, hi = (datetime.fromtimestamp(t, timezone.utc) for t in (since, until))
     due = dict(Run.objects.filter(pk__in=run_ids, due_at__gte=lo, due_at__lt=hi).values_list("pk", "due_at"))
+    # The claims in timeline order, rows and the entry on the run row alike (runs.timeline).
     last: dict[int, RunEvent] = {}
-    for event in RunEvent.objects.filter(run_id__in=due, type="claimed").order_by("id"):
-        last[event.run_id] = event
+    for pk, entries in timelines_by_id(run_ids=list(due), types=["claimed"]).items():
+        if entries:
+            last[pk] = entries[-1]
     return sorted(((last[pk].at - due[pk]).total_seconds(), last[pk].detail["worker"].split("@", 1)[0])
                   for pk in due if pk in last)
 
