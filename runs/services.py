@@ -817,14 +817,10 @@ def _through_breaker(
 
 
 def _defer(run: Run, now: datetime, due_at: datetime, reason: str, **detail: object) -> str:
-    """The run back to `scheduled` until `due_at`, with its event. The event is stamped
-    by the store's clock once the row is this transaction's: the update may have waited
-    on another writer's row lock (a scan republishing the run), and that writer's event,
-    stamped before it let go, must not come after this one (runs.invariants)."""
     with transaction.atomic():
         if not claims.defer(run_id=run.pk, due_at=due_at):
             return "not_claimed"
-        events.record(run.pk, reason, max(now, claims.store_now()), due_at=delivery.iso_z(due_at), **detail)
+        events.record(run.pk, reason, now, due_at=delivery.iso_z(due_at), **detail)
     return reason
 
 
