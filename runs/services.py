@@ -817,10 +817,22 @@ def _through_breaker(
 
 
 def _defer(run: Run, now: datetime, due_at: datetime, reason: str, **detail: object) -> str:
+    """The run back to `scheduled` until `due_at`, with its event, stamped `now` (the
+    wave's clock) or, if later, the run's `queued_at` once its row is locked.
+
+    A worker defers a wave's held-back runs one after another, and behind a slow or
+    failing host that takes seconds: meanwhile a scan may publish the run again
+    (`requeued`, which sets `queued_at`), and the deferral that waited on that scan's
+    row lock must not be stamped before it. Not the store's clock after the lock: a
+    scan stamps with the clock it read at its start, and one that queues this run
+    again once the deferral has let go of it would then come before it (runs.invariants)."""
     with transaction.atomic():
+        # Locked first: waits for a scan that holds the row, then reads what it wrote.
+        prior = Run.objects.select_for_update().filter(pk=run.pk).values_list("queued_at", flat=True).first()
         if not claims.defer(run_id=run.pk, due_at=due_at):
             return "not_claimed"
-        events.record(run.pk, reason, now, due_at=delivery.iso_z(due_at), **detail)
+        at = now if prior is None else max(now, prior)
+        events.record(run.pk, reason, at, due_at=delivery.iso_z(due_at), **detail)
     return reason
 
 
