@@ -8,8 +8,11 @@ publishes again. A run published twice is claimed once (the fence).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from time import monotonic
+from typing import Any
 
 from django.conf import settings
 from django.db import InterfaceError, OperationalError, connection, transaction
@@ -58,10 +61,30 @@ class ScanResult:
 REPUBLISH_WHEN_FULL = 10
 
 
-def scan_once(*, partitions: list[int] | frozenset[int], now: datetime | None = None, publish: bool = True) -> ScanResult:
+def scan_once(
+    *,
+    partitions: list[int] | frozenset[int],
+    now: datetime | None = None,
+    publish: bool = True,
+    advance: bool = False,
+    keep_going: Callable[[], bool] | None = None,
+) -> ScanResult:
     """Scan the given partitions once; publish what became queued, batch by batch,
-    each after its transaction commits."""
+    each after its transaction commits.
+
+    `advance` (a live scan: `now` is the store's clock, read just before): each
+    queueing batch, and the republish, decides and stamps at `now` plus the time the
+    scan has taken so far. A scan through a backlog takes several batches and can take
+    seconds, and what it writes must not be stamped before what other writers wrote
+    meanwhile (runs.invariants). Without it every step is at `now` (tests, a given time).
+    `keep_going`: asked before each batch after the first; False ends the scan there
+    (its partitions are no longer this scanner's: the lease was lost mid-scan)."""
     now = now or claims.store_now()  # due and late by the store's clock, not this machine's
+    started = monotonic()
+
+    def clock() -> datetime:
+        return now + timedelta(seconds=monotonic() - started) if advance else now
+
     parts = sorted(partitions)
     result = ScanResult()
     if not parts:
@@ -78,24 +101,31 @@ def scan_once(*, partitions: list[int] | frozenset[int], now: datetime | None = 
     left = room
     # Runs due within the look-ahead are queued now, published, and waited for by the
     # worker, which claims each at its due time (runs.services.run_execute_many). Late
-    # or not is still decided at `now`.
-    horizon = now + timedelta(seconds=settings.SCHEDULER_LOOKAHEAD)
+    # or not is decided at the batch's clock.
+    first = True
     while left > 0:
+        if not first and keep_going is not None and not keep_going():
+            return result
+        first = False
         limit = min(batch, left)
+        at = clock()
+        horizon = at + timedelta(seconds=settings.SCHEDULER_LOOKAHEAD)
         with transaction.atomic():
             due = list(
                 claims.lock_due(partitions=parts, now=horizon, limit=limit).select_related("job").only(*DUE_FIELDS)
             )
-            queued = _queue_due(due, now, result)
+            queued = _queue_due(due, at, result)
         if publish and queued:
             publish_runs([run.pk for run in queued], hosts={run.pk: _host(run.job) for run in queued},
-                         due={run.pk: run.due_at for run in queued}, now=now)
+                         due={run.pk: run.due_at for run in queued}, now=at)
         left -= len(queued)
         if len(due) < limit:
             break
+    if keep_going is not None and not keep_going():
+        return result
     # Republishing comes after queueing, from the room that is left: due runs first.
     with transaction.atomic():
-        _republish(parts, now, republish_budget(room_left=left, batch=batch), result)
+        _republish(parts, clock(), republish_budget(room_left=left, batch=batch), result, ask_broker=publish)
     if publish and result.republished:
         publish_runs(result.republished)
     return result
@@ -250,10 +280,23 @@ def _stop_runs_of_stopped_jobs(ids: list[int], now: datetime, found: list[events
     return {*deleted, *paused}
 
 
-def _republish(parts: list[int], now: datetime, budget: int, result: ScanResult) -> None:
-    stale = claims.touch_unclaimed(
-        partitions=parts, now=now, older_than=timedelta(seconds=settings.SCHEDULER_REQUEUE_AFTER), limit=budget
-    )
+def _republish(parts: list[int], now: datetime, budget: int, result: ScanResult, *, ask_broker: bool) -> None:
+    """Queued runs not claimed within SCHEDULER_REQUEUE_AFTER, published again: their
+    message may be lost (a broker flushed or restarted, a dead worker's prefetch).
+
+    `ask_broker`: more than REPUBLISH_WHEN_FULL of them only if the run queue holds
+    no message at the broker. With messages waiting there the workers are behind, and
+    a run not claimed in time is most likely still among them: publishing every such
+    run again would send each waiting run once more every SCHEDULER_REQUEUE_AFTER, a
+    backlog feeding itself (the soak under load, 2026-12-01: 1,069,103 republished
+    for 281,801 queued, the workers' rate down by a fifth). The few still go, oldest
+    first, for a message lost while others wait."""
+    older = timedelta(seconds=settings.SCHEDULER_REQUEUE_AFTER)
+    first = min(budget, REPUBLISH_WHEN_FULL) if ask_broker else budget
+    stale = claims.touch_unclaimed(partitions=parts, now=now, older_than=older, limit=first)
+    if ask_broker and len(stale) == first < budget and not run_queue_waiting():
+        # The ones just touched are no longer older than the cut: these are others.
+        stale += claims.touch_unclaimed(partitions=parts, now=now, older_than=older, limit=budget - first)
     events.record_many(events.event(i, "requeued", now, reason="not claimed in time; published again") for i in stale)
     result.republished = stale
 
@@ -516,6 +559,37 @@ def due_slice() -> float:
     the look-ahead. The worker holding it claims them as they come due
     (runs.services.CLAIM_WAVE); the next slice goes to another worker child."""
     return settings.SCHEDULER_LOOKAHEAD / 2
+
+
+# The scanner's own broker connection for run_queue_waiting: kept, so that asking
+# costs one round trip, and apart from the publishing pool, so that an error on it
+# (a channel closed by the broker) never reaches a publish.
+_asking: Any = None
+
+
+def run_queue_waiting() -> bool:
+    """True when the broker says messages wait in the run queue (ready, not yet
+    given to a worker). False when it holds none, or cannot say: then the unclaimed
+    runs are taken for lost, as before there was this question."""
+    global _asking
+    from scheduler_project.celery import app
+
+    try:
+        if _asking is None:
+            _asking = app.connection_for_write()
+        _name, waiting, _consumers = _asking.default_channel.queue_declare(
+            queue=settings.CELERY_TASK_DEFAULT_QUEUE, passive=True
+        )
+    except Exception:  # noqa: BLE001 - no queue yet, or the broker is away: publish as before
+        logger.debug("could not ask the broker for the run queue's length", exc_info=True)
+        if _asking is not None:
+            try:
+                _asking.release()
+            except Exception:  # noqa: BLE001 - it is being thrown away
+                pass
+        _asking = None
+        return False
+    return bool(waiting)
 
 
 def publish_runs(

@@ -264,6 +264,66 @@ def test_due_runs_take_the_queues_room_first_and_republishing_gets_what_is_left(
     assert len(result.republished) == 40 - 20 - 5  # the room left after the due runs
 
 
+@override_settings(SCHEDULER_MAX_QUEUED=100, SCHEDULER_REQUEUE_AFTER=30)
+def test_with_messages_waiting_at_the_broker_unclaimed_runs_are_not_republished_whole(
+    service: Any, broker: redis.Redis
+) -> None:
+    # The soak under load (2026-12-01, Redis, 160 runs/s for 30 minutes): a backlog
+    # longer than SCHEDULER_REQUEUE_AFTER but under SCHEDULER_MAX_QUEUED had every
+    # waiting run published again every 5 s, 1,069,103 times for 281,801 queued.
+    backlog = _queued_backlog(service.user, 20)
+    scan.publish_runs([backlog[0]])  # the workers are behind: a message waits at the broker
+    later = T0 + timedelta(seconds=31 + 31)
+    result = scan_once(partitions=ALL, now=later, publish=True)
+    assert len(result.republished) == WHEN_FULL < len(backlog)
+    # The queue drained and the rest are still not claimed: their messages were lost.
+    broker.delete(settings.CELERY_TASK_DEFAULT_QUEUE)
+    result = scan_once(partitions=ALL, now=later + timedelta(seconds=1), publish=True)
+    assert len(result.republished) == len(backlog) - WHEN_FULL
+    assert sorted(published(broker)) == sorted(result.republished)
+
+
+@override_settings(SCHEDULER_MAX_QUEUED=100, SCHEDULER_REQUEUE_AFTER=30)
+def test_with_the_run_queue_empty_every_unclaimed_run_is_republished_at_once(
+    service: Any, broker: redis.Redis
+) -> None:
+    backlog = _queued_backlog(service.user, 20)  # their messages are gone (a flush)
+    result = scan_once(partitions=ALL, now=T0 + timedelta(seconds=31 + 31), publish=True)
+    assert sorted(result.republished) == sorted(backlog)
+    assert sorted(published(broker)) == sorted(backlog)
+
+
+@override_settings(SCHEDULER_SCAN_BATCH=5)
+def test_a_live_scan_stamps_each_batch_by_the_time_it_has_taken(service: Any, monkeypatch: Any) -> None:
+    # The soak under load: a scan through a backlog took seconds, and its later
+    # batches' `misfired` and `queued` were stamped with the probe's clock, up to 2.4 s
+    # before a deferral written before them (40,336 timeline violations).
+    for i in range(12):
+        per_minute(service.user, name=f"s{i}")
+    ticks = iter(range(100))
+    monkeypatch.setattr(scan, "monotonic", lambda: float(next(ticks)))  # a second a reading
+    now = T0 + timedelta(seconds=31)
+    result = scan_once(partitions=ALL, now=now, publish=False, advance=True)
+    assert len(result.queued) == 12
+    stamps = sorted({r.queued_at for r in Run.objects.filter(pk__in=result.queued)})
+    assert stamps == [now + timedelta(seconds=s) for s in (1, 2, 3)]  # 5, 5 and 2 runs
+
+
+@override_settings(SCHEDULER_SCAN_BATCH=5)
+def test_a_scan_whose_partitions_are_lost_meanwhile_stops_after_its_batch(service: Any) -> None:
+    for i in range(12):
+        per_minute(service.user, name=f"k{i}")
+    asked: list[int] = []
+
+    def keep_going() -> bool:
+        asked.append(1)
+        return False  # the lease was lost during the first batch
+
+    result = scan_once(partitions=ALL, now=T0 + timedelta(seconds=31), publish=False, keep_going=keep_going)
+    assert len(result.queued) == 5 and asked == [1]
+    assert Run.objects.filter(status=S.SCHEDULED).count() == 7
+
+
 def test_the_republish_budget_is_the_room_left_at_least_a_few_at_most_a_batch() -> None:
     assert scan.republish_budget(room_left=300, batch=500) == 300
     assert scan.republish_budget(room_left=3000, batch=500) == 500

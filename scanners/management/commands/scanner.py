@@ -104,7 +104,10 @@ class Command(BaseCommand):
             self._notices(work)
             if not (changed or self.pacer.scan_due(work)):
                 return self.pacer.sleep(work)
-            result = scan_once(partitions=owned, now=work.now)
+            # A live scan: later batches by the time it has taken; it ends early if
+            # its partitions stop being this scanner's meanwhile.
+            result = scan_once(partitions=owned, now=work.now, advance=True,
+                               keep_going=lambda: leases.poll() == owned)
         except Exception:  # the database is down or a statement failed: try again next turn
             logger.exception("scan failed")
             self._store_failed()
