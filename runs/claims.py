@@ -14,7 +14,7 @@ from datetime import timezone as dt_timezone
 from typing import Any
 
 from django.db import connection, transaction
-from django.db.models import BooleanField, DateTimeField, F, Q, QuerySet
+from django.db.models import BooleanField, DateTimeField, F, Max, Q, QuerySet
 from django.db.models.expressions import Expression, RawSQL
 from django.utils import timezone
 
@@ -434,14 +434,17 @@ def release_expired_leases(*, partitions: list[int], now: datetime, limit: int) 
     return ids
 
 
-def touch_unclaimed(*, partitions: list[int], now: datetime, older_than: timedelta, limit: int) -> list[int]:
+def touch_unclaimed(
+    *, partitions: list[int], now: datetime, older_than: timedelta, limit: int, before: datetime | None = None
+) -> list[int]:
     """Queued runs no worker claimed in time: their message may be lost, publish again.
     "In time" counts from the later of when the run was queued and when it is due: a
     run queued ahead of its due time (SCHEDULER_LOOKAHEAD) is waited for by the
     worker holding its message, so its time to be claimed starts at its due time.
     The oldest first, at most `limit`: the scanner's republish budget
-    (scanners.scan.republish_budget), so a backlog is not sent twice."""
-    cut = now - older_than
+    (scanners.scan.republish_budget), so a backlog is not sent twice. `before`: only
+    runs queued before it too (scanners.scan._republish: what the workers have reached)."""
+    cut = now - older_than if before is None else min(now - older_than, before)
     ids = _lock_ids(
         Run.objects.filter(partition__in=partitions, status=S.QUEUED, queued_at__lt=cut, due_at__lt=cut).order_by(
             "queued_at"
@@ -451,6 +454,16 @@ def touch_unclaimed(*, partitions: list[int], now: datetime, older_than: timedel
     if ids:
         Run.objects.filter(pk__in=ids).update(queued_at=now)
     return ids
+
+
+def claimed_up_to(*, partitions: list[int]) -> datetime | None:
+    """The latest `queued_at` among these partitions' running runs: how far through
+    what was published the workers have got. None: nothing is running. A read of
+    runs_lease_idx's entries (the runs in flight: a few hundred at full load)."""
+    found: datetime | None = Run.objects.filter(partition__in=partitions, status=S.RUNNING).aggregate(
+        latest=Max("queued_at")
+    )["latest"]
+    return found
 
 
 # The oldest due runs over a scanner's partitions: one short range read of

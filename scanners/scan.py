@@ -12,7 +12,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from time import monotonic
-from typing import Any
 
 from django.conf import settings
 from django.db import InterfaceError, OperationalError, connection, transaction
@@ -125,7 +124,7 @@ def scan_once(
         return result
     # Republishing comes after queueing, from the room that is left: due runs first.
     with transaction.atomic():
-        _republish(parts, clock(), republish_budget(room_left=left, batch=batch), result, ask_broker=publish)
+        _republish(parts, clock(), republish_budget(room_left=left, batch=batch), result)
     if publish and result.republished:
         publish_runs(result.republished)
     return result
@@ -280,23 +279,26 @@ def _stop_runs_of_stopped_jobs(ids: list[int], now: datetime, found: list[events
     return {*deleted, *paused}
 
 
-def _republish(parts: list[int], now: datetime, budget: int, result: ScanResult, *, ask_broker: bool) -> None:
+def _republish(parts: list[int], now: datetime, budget: int, result: ScanResult) -> None:
     """Queued runs not claimed within SCHEDULER_REQUEUE_AFTER, published again: their
     message may be lost (a broker flushed or restarted, a dead worker's prefetch).
 
-    `ask_broker`: more than REPUBLISH_WHEN_FULL of them only if the run queue holds
-    no message at the broker. With messages waiting there the workers are behind, and
-    a run not claimed in time is most likely still among them: publishing every such
-    run again would send each waiting run once more every SCHEDULER_REQUEUE_AFTER, a
-    backlog feeding itself (the soak under load, 2026-12-01: 1,069,103 republished
-    for 281,801 queued, the workers' rate down by a fifth). The few still go, oldest
-    first, for a message lost while others wait."""
+    While the workers are behind, a run not claimed in time is most likely still
+    waiting, in the broker or in a worker's prefetch, behind the others: publishing
+    every such run again sends each waiting run once more every
+    SCHEDULER_REQUEUE_AFTER, a backlog feeding itself (the soak under load,
+    2026-12-01: 1,069,103 copies for 281,801 runs queued, the workers' rate down by
+    a fifth). So the cut is also SCHEDULER_REQUEUE_AFTER before the latest
+    `queued_at` among these partitions' running runs (claims.claimed_up_to): the
+    workers are taking runs queued then, and a message the broker had before those
+    by that much is taken for lost (the broker hands messages on in order, but for
+    the few a worker holds ahead). With nothing running, the plain cut, as before."""
     older = timedelta(seconds=settings.SCHEDULER_REQUEUE_AFTER)
-    first = min(budget, REPUBLISH_WHEN_FULL) if ask_broker else budget
-    stale = claims.touch_unclaimed(partitions=parts, now=now, older_than=older, limit=first)
-    if ask_broker and len(stale) == first < budget and not run_queue_waiting():
-        # The ones just touched are no longer older than the cut: these are others.
-        stale += claims.touch_unclaimed(partitions=parts, now=now, older_than=older, limit=budget - first)
+    reached = claims.claimed_up_to(partitions=parts)
+    stale = claims.touch_unclaimed(
+        partitions=parts, now=now, older_than=older, limit=budget,
+        before=None if reached is None else reached - older,
+    )
     events.record_many(events.event(i, "requeued", now, reason="not claimed in time; published again") for i in stale)
     result.republished = stale
 
@@ -559,37 +561,6 @@ def due_slice() -> float:
     the look-ahead. The worker holding it claims them as they come due
     (runs.services.CLAIM_WAVE); the next slice goes to another worker child."""
     return settings.SCHEDULER_LOOKAHEAD / 2
-
-
-# The scanner's own broker connection for run_queue_waiting: kept, so that asking
-# costs one round trip, and apart from the publishing pool, so that an error on it
-# (a channel closed by the broker) never reaches a publish.
-_asking: Any = None
-
-
-def run_queue_waiting() -> bool:
-    """True when the broker says messages wait in the run queue (ready, not yet
-    given to a worker). False when it holds none, or cannot say: then the unclaimed
-    runs are taken for lost, as before there was this question."""
-    global _asking
-    from scheduler_project.celery import app
-
-    try:
-        if _asking is None:
-            _asking = app.connection_for_write()
-        _name, waiting, _consumers = _asking.default_channel.queue_declare(
-            queue=settings.CELERY_TASK_DEFAULT_QUEUE, passive=True
-        )
-    except Exception:  # noqa: BLE001 - no queue yet, or the broker is away: publish as before
-        logger.debug("could not ask the broker for the run queue's length", exc_info=True)
-        if _asking is not None:
-            try:
-                _asking.release()
-            except Exception:  # noqa: BLE001 - it is being thrown away
-                pass
-        _asking = None
-        return False
-    return bool(waiting)
 
 
 def publish_runs(
