@@ -457,12 +457,16 @@ def touch_unclaimed(
 
 
 def claimed_up_to(*, partitions: list[int]) -> datetime | None:
-    """The latest `queued_at` among these partitions' running runs: how far through
-    what was published the workers have got. None: nothing is running. A read of
-    runs_lease_idx's entries (the runs in flight: a few hundred at full load)."""
-    found: datetime | None = Run.objects.filter(partition__in=partitions, status=S.RUNNING).aggregate(
-        latest=Max("queued_at")
-    )["latest"]
+    """How far through what was published the workers have got: the latest
+    `queued_at` among these partitions' running runs that were published once (their
+    `queued` entry still on the row: no `requeued`, nor any other event row, since).
+    A run published again has the time of its last copy, and may have been claimed
+    from an earlier one, so it says nothing of how far the workers are. None: no such
+    run is running. A read of runs_lease_idx's entries (the runs in flight)."""
+    once = Run.objects.filter(partition__in=partitions, status=S.RUNNING).annotate(
+        queued_once=F("on_row").bitand(ON_ROW_QUEUED)
+    )
+    found: datetime | None = once.filter(queued_once__gt=0).aggregate(latest=Max("queued_at"))["latest"]
     return found
 
 

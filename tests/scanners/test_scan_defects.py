@@ -20,7 +20,7 @@ from django.test import override_settings
 from jobs.models import Job
 from jobs.services import job_create
 from runs import invariants
-from runs.models import Run
+from runs.models import ON_ROW_QUEUED, Run
 from runs.services import run_next_create
 from scanners import scan
 from scanners.scan import scan_once
@@ -265,9 +265,11 @@ def test_due_runs_take_the_queues_room_first_and_republishing_gets_what_is_left(
 
 
 def _running_since_queued(owner: Any, queued_at: datetime) -> Run:
-    """A run a worker holds now, which had been queued at `queued_at`."""
+    """A run a worker holds now, which had been queued at `queued_at`, once (its
+    `queued` entry on its row, as the scan leaves it)."""
     job = make_job(owner, name="in-flight")
     return make_run(job, T0 - timedelta(minutes=5), status=S.RUNNING, queued_at=queued_at, fence=1, attempt=1,
+                    on_row=ON_ROW_QUEUED, on_row_queued_at=queued_at,
                     lease_owner="w/1", lease_expires_at=datetime.now(dt_timezone.utc) + timedelta(hours=1))  # leases: the store's clock
 
 
@@ -278,6 +280,20 @@ def test_while_the_workers_are_behind_the_unclaimed_runs_are_not_published_again
     # waiting run published again every 5 s, 1,069,103 times for 281,801 queued.
     backlog = _queued_backlog(service.user, 20)  # queued at T0 + 31 s
     _running_since_queued(service.user, T0 + timedelta(seconds=31))  # the workers are taking runs queued then
+    result = scan_once(partitions=ALL, now=T0 + timedelta(seconds=31 + 31), publish=False)
+    assert result.republished == []
+    assert Run.objects.filter(pk__in=backlog, status=S.QUEUED).count() == len(backlog)
+
+
+@override_settings(SCHEDULER_MAX_QUEUED=100, SCHEDULER_REQUEUE_AFTER=30)
+def test_a_copy_published_again_does_not_say_how_far_the_workers_are(service: Any) -> None:
+    # A first version of the rule took every running run's queued_at: a run published
+    # again and then claimed (from its first copy, maybe) pulled the cut forward, and
+    # the republishing fed itself again (70,389 copies in the soak's first 4 minutes).
+    backlog = _queued_backlog(service.user, 20)
+    _running_since_queued(service.user, T0 + timedelta(seconds=31))  # the workers are here
+    copied = _running_since_queued(service.user, T0 + timedelta(seconds=31 + 31))
+    Run.objects.filter(pk=copied.pk).update(on_row=0)  # its `requeued` row settled its entries
     result = scan_once(partitions=ALL, now=T0 + timedelta(seconds=31 + 31), publish=False)
     assert result.republished == []
     assert Run.objects.filter(pk__in=backlog, status=S.QUEUED).count() == len(backlog)
