@@ -38,7 +38,8 @@ UPDATE runs
        started_at = COALESCE(started_at, {now}),
        on_row = on_row | 4,
        on_row_claimed_at = {now},
-       on_row_worker = %s
+       on_row_worker = %s,
+       queued_at = {sent}
  WHERE id = %s
    AND held = %s
    AND due_at <= {now}
@@ -178,23 +179,33 @@ def claim(*, run_id: int, worker: str, lease: timedelta) -> Claim | None:
     return found[0] if found else None
 
 
-def claim_many(*, run_ids: list[int], worker: str, lease: timedelta) -> list[Claim]:
+def claim_many(*, run_ids: list[int], worker: str, lease: timedelta, sent_at: datetime | None = None) -> list[Claim]:
     """The claim for a batch of runs, one statement: the runs someone else holds,
     that are no longer queued, or that are not due yet by the store's clock, are
-    simply not returned."""
+    simply not returned. `sent_at`: when the message the runs came in was published
+    (the scanner's clock, in the message); a claimed run's `queued_at` becomes it,
+    so a running run says which copy of its message started it (claimed_up_to)."""
     if not run_ids:
         return []
-    taken = _claim_ids(run_ids, worker, lease)
+    taken = _claim_ids(run_ids, worker, lease, sent_at)
     left = set(run_ids) - {c.run_id for c in taken}
     if left:
         again = _settle_claimed(sorted(left))
         if again:
-            taken += _claim_ids(again, worker, lease)
+            taken += _claim_ids(again, worker, lease, sent_at)
     return taken
 
 
-def _claim_ids(run_ids: list[int], worker: str, lease: timedelta) -> list[Claim]:
+def _claim_ids(run_ids: list[int], worker: str, lease: timedelta, sent_at: datetime | None = None) -> list[Claim]:
     template = CLAIM_SQL_WITHOUT_LEASE_CHECK if _fence_checks_disabled() else CLAIM_SQL
+    # Without a send time queued_at stays; with one, it is the message's word: never
+    # later than the store's clock.
+    if sent_at is None:
+        template, sent = template.replace("{sent}", "queued_at"), []
+    elif connection.vendor == "postgresql":
+        template, sent = template.replace("{sent}", "LEAST(%s::timestamptz, {now})"), [sent_at, *store_clock_sql()[1]]
+    else:
+        template, sent = template.replace("{sent}", "%s"), [sent_at]
     if connection.vendor == "postgresql":
         # One array, not a placeholder a run: the statement's text is the same for every
         # batch, so the driver splits it once (a query of hundreds of placeholders is
@@ -208,7 +219,7 @@ def _claim_ids(run_ids: list[int], worker: str, lease: timedelta) -> list[Claim]
     assert "RETURNING id, fence, attempt, started_at" in template
     sql, until, now = _claim_sql(template, lease)
     with connection.cursor() as cursor:
-        cursor.execute(sql, [worker, *until, *now, *now, worker, *ids, False, *now, *now])
+        cursor.execute(sql, [worker, *until, *now, *now, worker, *sent, *ids, False, *now, *now])
         rows = cursor.fetchall()
     return [
         Claim(run_id=int(r[0]), fence=int(r[1]), attempt=int(r[2]), worker=worker, started_at=_as_datetime(r[3]))
@@ -458,15 +469,14 @@ def touch_unclaimed(
 
 def claimed_up_to(*, partitions: list[int]) -> datetime | None:
     """How far through what was published the workers have got: the latest
-    `queued_at` among these partitions' running runs that were published once (their
-    `queued` entry still on the row: no `requeued`, nor any other event row, since).
-    A run published again has the time of its last copy, and may have been claimed
-    from an earlier one, so it says nothing of how far the workers are. None: no such
-    run is running. A read of runs_lease_idx's entries (the runs in flight)."""
-    once = Run.objects.filter(partition__in=partitions, status=S.RUNNING).annotate(
-        queued_once=F("on_row").bitand(ON_ROW_QUEUED)
-    )
-    found: datetime | None = once.filter(queued_once__gt=0).aggregate(latest=Max("queued_at"))["latest"]
+    `queued_at` among these partitions' running runs, which the claim set to the
+    publish time of the message that started each (claim_many's `sent_at`; a message
+    from before that rule, or handed back by a worker, leaves it at the time of the
+    run's last copy). None: nothing is running. A read of runs_lease_idx's entries
+    (the runs in flight: a few hundred at full load)."""
+    found: datetime | None = Run.objects.filter(partition__in=partitions, status=S.RUNNING).aggregate(
+        latest=Max("queued_at")
+    )["latest"]
     return found
 
 

@@ -617,7 +617,7 @@ def longest_wait() -> float:
     return max(2.0, 2 * settings.SCHEDULER_LOOKAHEAD)
 
 
-def run_execute_many(*, run_ids: list[int], worker: str | None = None) -> dict[int, str]:
+def run_execute_many(*, run_ids: list[int], worker: str | None = None, sent_at: datetime | None = None) -> dict[int, str]:
     """A batch of runs (one message from the scanner): admit, claim, call the
     targets side by side, record what happened. Returns each run's outcome.
 
@@ -628,7 +628,8 @@ def run_execute_many(*, run_ids: list[int], worker: str | None = None) -> dict[i
     not be called yet goes back to `scheduled` without its attempt or fence moving:
     waiting spends no try, and holds no worker. The claim is one statement a wave;
     the outcomes and the next runs one statement for the whole batch, after its last
-    call; every write still names its run's fence.
+    call; every write still names its run's fence. `sent_at`: when the message was
+    published (claims.claim_many).
     """
     worker = worker or default_worker_id()
     outcomes: dict[int, str] = {}
@@ -643,7 +644,7 @@ def run_execute_many(*, run_ids: list[int], worker: str | None = None) -> dict[i
             outcomes[run_id] = "not_claimed"  # ended, held, or someone holds a live lease: drop it
         else:
             candidates.append(run)
-    batch = _Batch(worker=worker, lease=lease_length(), outcomes=outcomes, offset=offset)
+    batch = _Batch(worker=worker, lease=lease_length(), outcomes=outcomes, offset=offset, sent_at=sent_at)
     try:
         batch.run(candidates, now)
     finally:
@@ -660,6 +661,7 @@ class _Batch:
     lease: timedelta
     outcomes: dict[int, str]
     offset: float  # seconds the store's clock is ahead of this process's
+    sent_at: datetime | None = None  # when the message was published (claims.claim_many)
     gates: dict[int, Gate] = field(default_factory=dict)
     calls: list[Call] = field(default_factory=list)
     in_flight: list[tuple[Call, Future[CallResult]]] = field(default_factory=list)
@@ -708,7 +710,7 @@ class _Batch:
         admitted = [run for run in wave if run.pk in gates]
         if not admitted:
             return []
-        taken, claimed_at = _claim_wave(admitted, self.worker, self.lease)
+        taken, claimed_at = _claim_wave(admitted, self.worker, self.lease, self.sent_at)
         by_id = {c.run_id: c for c in taken}
         early, calls = [], []
         for run in admitted:
@@ -855,14 +857,15 @@ def run_claim_many(*, runs: list[Run], worker: str, lease: timedelta) -> list[Cl
     return _claim_wave(runs, worker, lease)[0]
 
 
-def _claim_wave(runs: list[Run], worker: str, lease: timedelta) -> tuple[list[Claim], datetime]:
+def _claim_wave(runs: list[Run], worker: str, lease: timedelta, sent_at: datetime | None = None
+                ) -> tuple[list[Claim], datetime]:
     """run_claim_many, and the store's clock just before the claim: a run due after
     that which was not taken may only have been early (the claim's own clock is later)."""
     with transaction.atomic():
         now = claims.store_now()
         # Overlap allow: those jobs are locked before any run row (the order an edit takes).
         allow_jobs = jobs_lock(r.job_id for r in runs if _may_detach(r, r.job))
-        taken = claims.claim_many(run_ids=[r.pk for r in runs], worker=worker, lease=lease)
+        taken = claims.claim_many(run_ids=[r.pk for r in runs], worker=worker, lease=lease, sent_at=sent_at)
         runs_by_id = {r.pk: r for r in runs}
         # The claim's own clock is at least the due time (it checks) and at least `now`
         # (read just before it): the event says no earlier than either.

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import threading
+from datetime import datetime
 
 from celery import Task, shared_task
 from django.db import InterfaceError, OperationalError
@@ -17,19 +18,33 @@ def _worker(task: Task) -> str:
 
 
 @shared_task(bind=True, name="runs.execute_runs", ignore_result=True)
-def execute_runs(self: Task, run_ids: list[int], handbacks: int = 0) -> dict[int, str]:
+def execute_runs(self: Task, run_ids: list[int], handbacks: int = 0, sent_at: str | None = None) -> dict[int, str]:
     """A batch of due runs, as the scanner published them (runs to one target host).
-    While this worker cannot reach the store, handed back at once (runs.storegate)."""
+    While this worker cannot reach the store, handed back at once (runs.storegate).
+    `sent_at`: when the scanner published it (ISO 8601, the store's clock); a message
+    handed back, or from before it was sent, has none."""
     ids = [int(i) for i in run_ids]
+    sent = _sent_at(sent_at)
     queue = (self.request.delivery_info or {}).get("routing_key")  # back where it came from
     if storegate.is_closed():
         handed = storegate.hand_back(ids, handbacks=handbacks, queue=queue, why="this worker cannot reach the store")
         return dict.fromkeys(ids, "handed_back" if handed else "not_claimed")
     try:
-        return run_execute_many(run_ids=ids, worker=_worker(self))
+        return run_execute_many(run_ids=ids, worker=_worker(self), sent_at=sent)
     except (OperationalError, InterfaceError):
         storegate.hand_back(ids, handbacks=handbacks, queue=queue, why="the store's own trouble")
         raise
+
+
+def _sent_at(value: str | None) -> datetime | None:
+    # Hostile until read: a message anyone could have put on the queue. Not a time: none.
+    if not isinstance(value, str):
+        return None
+    try:
+        found = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return found if found.tzinfo is not None else None
 
 
 @shared_task(bind=True, name="runs.execute_run", ignore_result=True)

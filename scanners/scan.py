@@ -94,7 +94,7 @@ def scan_once(
     with transaction.atomic():
         _recover(parts, now, batch, result)
     if publish and result.lease_expired:
-        publish_runs(result.lease_expired)
+        publish_runs(result.lease_expired, now=now)
     # Back-pressure: runs wait in the store, not in the broker (SCHEDULER_MAX_QUEUED).
     room = settings.SCHEDULER_MAX_QUEUED - claims.count_queued(partitions=parts)
     left = room
@@ -123,10 +123,11 @@ def scan_once(
     if keep_going is not None and not keep_going():
         return result
     # Republishing comes after queueing, from the room that is left: due runs first.
+    again_at = clock()
     with transaction.atomic():
-        _republish(parts, clock(), republish_budget(room_left=left, batch=batch), result)
+        _republish(parts, again_at, republish_budget(room_left=left, batch=batch), result)
     if publish and result.republished:
-        publish_runs(result.republished)
+        publish_runs(result.republished, now=again_at)
     return result
 
 
@@ -289,13 +290,15 @@ def _republish(parts: list[int], now: datetime, budget: int, result: ScanResult)
     SCHEDULER_REQUEUE_AFTER, a backlog feeding itself (the soak under load,
     2026-12-01: 1,069,103 copies for 281,801 runs queued, the workers' rate down by
     a fifth). So the cut is also SCHEDULER_REQUEUE_AFTER before the latest
-    `queued_at` among these partitions' running runs published once
-    (claims.claimed_up_to): the workers are taking runs queued then, and a message
-    the broker had before those by that much is taken for lost (the broker hands
-    messages on in order, but for the few a worker holds ahead). With no such run
-    running, the plain cut, as before. (Runs published again do not count: a copy's
-    time would pull the cut forward, and the republishing would feed itself again,
-    as a first version of this rule did in the soak: 70,389 copies in 4 minutes.)"""
+    `queued_at` among these partitions' running runs (claims.claimed_up_to), which
+    the claim sets to when the message that started each was published: the workers
+    are taking messages published then, and a run whose last copy the broker had
+    before those by that much is taken for lost (the broker hands messages on in
+    order, but for the few a worker holds ahead). With nothing running, the plain
+    cut, as before. (Two first versions read the running runs' queued_at as the
+    time of their last copy, and a run claimed from an earlier copy pulled the cut
+    forward: the republishing fed itself again, 70,389 and 120,247 copies in the
+    soak's first 4 minutes.)"""
     older = timedelta(seconds=settings.SCHEDULER_REQUEUE_AFTER)
     reached = claims.claimed_up_to(partitions=parts)
     stale = claims.touch_unclaimed(
@@ -574,9 +577,11 @@ def publish_runs(
     from runs.tasks import execute_runs
     from scheduler_project.celery import app
 
+    # When it was sent, by the clock that stamped the runs' queued_at (claims.claim_many).
+    sent = {"sent_at": now.isoformat()} if now is not None else {}
     with app.producer_or_acquire() as producer:
         for ids in run_messages(run_ids, hosts=hosts or {}, due=due or {}, now=now):
-            execute_runs.apply_async((ids,), producer=producer)
+            execute_runs.apply_async((ids,), sent, producer=producer)
 
 
 def run_messages(

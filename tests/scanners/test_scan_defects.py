@@ -19,8 +19,8 @@ from django.test import override_settings
 
 from jobs.models import Job
 from jobs.services import job_create
-from runs import invariants
-from runs.models import ON_ROW_QUEUED, Run
+from runs import claims, invariants
+from runs.models import Run
 from runs.services import run_next_create
 from scanners import scan
 from scanners.scan import scan_once
@@ -265,11 +265,9 @@ def test_due_runs_take_the_queues_room_first_and_republishing_gets_what_is_left(
 
 
 def _running_since_queued(owner: Any, queued_at: datetime) -> Run:
-    """A run a worker holds now, which had been queued at `queued_at`, once (its
-    `queued` entry on its row, as the scan leaves it)."""
+    """A run a worker holds now, started by a message sent at `queued_at`."""
     job = make_job(owner, name="in-flight")
     return make_run(job, T0 - timedelta(minutes=5), status=S.RUNNING, queued_at=queued_at, fence=1, attempt=1,
-                    on_row=ON_ROW_QUEUED, on_row_queued_at=queued_at,
                     lease_owner="w/1", lease_expires_at=datetime.now(dt_timezone.utc) + timedelta(hours=1))  # leases: the store's clock
 
 
@@ -286,17 +284,51 @@ def test_while_the_workers_are_behind_the_unclaimed_runs_are_not_published_again
 
 
 @override_settings(SCHEDULER_MAX_QUEUED=100, SCHEDULER_REQUEUE_AFTER=30)
-def test_a_copy_published_again_does_not_say_how_far_the_workers_are(service: Any) -> None:
-    # A first version of the rule took every running run's queued_at: a run published
-    # again and then claimed (from its first copy, maybe) pulled the cut forward, and
-    # the republishing fed itself again (70,389 copies in the soak's first 4 minutes).
-    backlog = _queued_backlog(service.user, 20)
-    _running_since_queued(service.user, T0 + timedelta(seconds=31))  # the workers are here
-    copied = _running_since_queued(service.user, T0 + timedelta(seconds=31 + 31))
-    Run.objects.filter(pk=copied.pk).update(on_row=0)  # its `requeued` row settled its entries
+def test_a_run_claimed_from_an_earlier_copy_does_not_move_the_cut(service: Any) -> None:
+    # Two first versions of the rule read a running run's queued_at as the time of
+    # its last copy: a run claimed from an earlier copy pulled the cut forward, and
+    # the republishing fed itself (70,389 and 120,247 copies in the soak's first 4
+    # minutes). The claim now sets queued_at to when its message was sent.
+    backlog = _queued_backlog(service.user, 20)  # queued at T0 + 31 s
+    job = make_job(service.user, name="copied")
+    copied = make_run(job, T0 - timedelta(minutes=5), status=S.QUEUED, queued_at=T0 + timedelta(seconds=31 + 31))
+    taken = claims.claim_many(run_ids=[copied.pk], worker="w/1", lease=timedelta(hours=1),
+                              sent_at=T0 + timedelta(seconds=31))  # its first message, not its last copy
+    assert [c.run_id for c in taken] == [copied.pk]
+    copied.refresh_from_db()
+    assert copied.queued_at == T0 + timedelta(seconds=31)
     result = scan_once(partitions=ALL, now=T0 + timedelta(seconds=31 + 31), publish=False)
     assert result.republished == []
     assert Run.objects.filter(pk__in=backlog, status=S.QUEUED).count() == len(backlog)
+
+
+def test_a_message_without_a_send_time_leaves_queued_at_alone(service: Any) -> None:
+    job = make_job(service.user, name="old-message")
+    run = make_run(job, T0 - timedelta(minutes=5), status=S.QUEUED, queued_at=T0)
+    assert claims.claim_many(run_ids=[run.pk], worker="w/1", lease=timedelta(hours=1))
+    run.refresh_from_db()
+    assert (run.status, run.queued_at) == (S.RUNNING, T0)
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="the store's clock: PostgreSQL")
+def test_a_send_time_from_the_future_is_taken_as_now(service: Any) -> None:
+    # A message's word: a time after the store's clock would pull the cut forward.
+    job = make_job(service.user, name="future")
+    run = make_run(job, T0 - timedelta(minutes=5), status=S.QUEUED, queued_at=T0)
+    before = claims.store_now()
+    assert claims.claim_many(run_ids=[run.pk], worker="w/1", lease=timedelta(hours=1),
+                             sent_at=before + timedelta(days=1))
+    run.refresh_from_db()
+    assert before <= run.queued_at <= claims.store_now()
+
+
+def test_a_send_time_in_a_message_is_read_only_if_it_is_a_time() -> None:
+    from runs.tasks import _sent_at
+
+    assert _sent_at("2026-12-01T19:00:00.250000+00:00") == utc("2026-12-01T19:00:00.25Z")
+    assert _sent_at("2026-12-01T19:00:00Z") == utc("2026-12-01T19:00:00Z")
+    for bad in (None, 7, "", "soon", "2026-12-01T19:00:00", ["2026"]):
+        assert _sent_at(bad) is None  # type: ignore[arg-type]
 
 
 @override_settings(SCHEDULER_MAX_QUEUED=100, SCHEDULER_REQUEUE_AFTER=30)
