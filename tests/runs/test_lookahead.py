@@ -217,9 +217,9 @@ def counting_claims() -> Iterator[list[set[int]]]:
     waves: list[set[int]] = []
     real = run_services._claim_wave
 
-    def claim_wave(wave: list[Run], worker: str, lease: timedelta) -> Any:
+    def claim_wave(wave: list[Run], worker: str, lease: timedelta, *rest: Any) -> Any:
         waves.append({r.pk for r in wave})
-        return real(wave, worker, lease)
+        return real(wave, worker, lease, *rest)
 
     with mock.patch.object(run_services, "_claim_wave", claim_wave):
         yield waves
