@@ -14,7 +14,7 @@ from datetime import timezone as dt_timezone
 from typing import Any
 
 from django.db import connection, transaction
-from django.db.models import BooleanField, DateTimeField, F, Max, Q, QuerySet
+from django.db.models import BooleanField, DateTimeField, ExpressionWrapper, F, Max, Q, QuerySet
 from django.db.models.expressions import Expression, RawSQL
 from django.utils import timezone
 
@@ -445,6 +445,11 @@ def release_expired_leases(*, partitions: list[int], now: datetime, limit: int) 
     return ids
 
 
+# How many times SCHEDULER_REQUEUE_AFTER a queued run waits, at most, between two
+# copies of its message (touch_unclaimed).
+REPUBLISH_BACKOFF_CAP = 8
+
+
 def touch_unclaimed(
     *, partitions: list[int], now: datetime, older_than: timedelta, limit: int, before: datetime | None = None
 ) -> list[int]:
@@ -456,10 +461,20 @@ def touch_unclaimed(
     (scanners.scan.republish_budget), so a backlog is not sent twice. `before`: only
     runs queued before it too (scanners.scan._republish: what the workers have reached)."""
     cut = now - older_than if before is None else min(now - older_than, before)
+    # Each copy waits at least as long as the run had waited when it was last sent
+    # (queued_at - due_at), up to REPUBLISH_BACKOFF_CAP x older_than: copies of a run
+    # at 1, 2, 4, 8 ... x older_than after it came due, so a backlog the cut
+    # misjudges costs a few copies a run, not one every older_than.
+    backed_off = Q(queued_at__lt=now - older_than * REPUBLISH_BACKOFF_CAP) | Q(
+        next_copy_at__lt=now
+    )
     ids = _lock_ids(
-        Run.objects.filter(partition__in=partitions, status=S.QUEUED, queued_at__lt=cut, due_at__lt=cut).order_by(
-            "queued_at"
-        ),
+        Run.objects.filter(partition__in=partitions, status=S.QUEUED, queued_at__lt=cut, due_at__lt=cut)
+        .alias(next_copy_at=ExpressionWrapper(
+            F("queued_at") + (F("queued_at") - F("due_at")), output_field=DateTimeField()
+        ))
+        .filter(backed_off)
+        .order_by("queued_at"),
         limit,
     )
     if ids:

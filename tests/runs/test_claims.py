@@ -150,6 +150,28 @@ def test_queued_runs_nobody_claimed_are_touched_for_publishing_again() -> None:
     assert run.queued_at == later
 
 
+@pytest.mark.embedded
+def test_each_copy_of_an_unclaimed_run_waits_as_long_as_the_run_had_waited() -> None:
+    # The soak under load (2026-12-01): a backlog the republish cut misjudged had every
+    # waiting run sent again every SCHEDULER_REQUEUE_AFTER. A run due at D and not
+    # claimed gets copies at D + 1, 2, 4, 8 x the wait, then one every
+    # REPUBLISH_BACKOFF_CAP x the wait: a few copies a run, however long the backlog.
+    wait = timedelta(seconds=5)
+    due = utc("2026-10-28T20:30:00Z")
+    run = make_run(make_job(), due, status=S.QUEUED, queued_at=due)
+    copies: list[int] = []
+    t = due
+    while t < due + wait * 40:
+        t += timedelta(seconds=1)
+        with transaction.atomic():
+            if claims.touch_unclaimed(partitions=[run.partition], now=t, older_than=wait, limit=10):
+                copies.append(int((t - due) / timedelta(seconds=1)))
+    # In 1 s steps, each copy the first second strictly past its time: 6 (> 5), 13
+    # (> 2 x 6), 27, 55, then every 41 s (> 8 x 5 after the last).
+    assert claims.REPUBLISH_BACKOFF_CAP == 8
+    assert copies == [6, 13, 27, 55, 96, 137, 178]
+
+
 # One clock for leases, the store's (PostgreSQL: on SQLite, the embedded mode, the
 # machine's clock is the store's). A worker's wrong clock moves none of these.
 SKEW = timedelta(seconds=120)
