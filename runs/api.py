@@ -33,7 +33,11 @@ class BreakerSerializer(serializers.Serializer):
     next_probe_at = serializers.DateTimeField(allow_null=True, help_text="When one held run is let through as a probe.")
     last_failure_at = serializers.DateTimeField(allow_null=True)
     last_error = serializers.CharField(help_text="The last failure's text, when it was one of the caller's runs (staff: any); else empty.")
-    in_flight = serializers.IntegerField(help_text="Calls in flight to the host now (bulkhead slots taken).")
+    in_flight = serializers.IntegerField(
+        allow_null=True,
+        help_text="Calls in flight to the host now (bulkhead slots taken); null when the slot store (Redis) "
+        "did not answer.",
+    )
     history = TransitionSerializer(many=True, help_text="The latest changes of state, newest first.")
 
 
@@ -54,5 +58,5 @@ class BreakerList(ListAPIView):
         page = self.paginate_queryset(self.get_queryset())
         now = claims.store_now()  # slot leases and probe times are in the store's clock
         busy = bulkhead.in_flight([b.host for b in page], now=now)
-        rows = [breakers.row(b, now, busy.get(b.host, 0), viewer=request.user) for b in page]
+        rows = [breakers.row(b, now, None if busy is None else busy.get(b.host, 0), viewer=request.user) for b in page]
         return self.get_paginated_response(BreakerSerializer(rows, many=True).data)

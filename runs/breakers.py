@@ -170,7 +170,7 @@ def breakers_for(user: Any) -> QuerySet[TargetBreaker]:
 
 
 def row(
-    breaker: TargetBreaker, now: datetime, in_flight: int, history: int = 10, viewer: Any = None
+    breaker: TargetBreaker, now: datetime, in_flight: int | None, history: int = 10, viewer: Any = None
 ) -> dict[str, Any]:
     """One breaker as shown to `viewer`: staff (or None, the admin) see every failure's
     text; a service sees the host's state, and failure text from its own runs only."""
@@ -212,4 +212,4 @@ def breaker_states(now: datetime | None = None) -> list[dict[str, Any]]:
     now = now or store_now()  # slot leases and probe times are in the store's clock
     breakers = list(TargetBreaker.objects.order_by("host").prefetch_related("transitions"))
     busy = bulkhead.in_flight([b.host for b in breakers], now=now)
-    return [row(b, now, busy.get(b.host, 0)) for b in breakers]
+    return [row(b, now, None if busy is None else busy.get(b.host, 0)) for b in breakers]

@@ -58,7 +58,7 @@ class HostRow:
     calls: int
     failures: int
     breaker: str
-    in_flight: int
+    in_flight: int | None  # None: the slot store did not answer
     url: str
 
 

@@ -315,7 +315,7 @@ def lateness_histogram(totals: list[dict[str, Any]] | None = None) -> Histogram:
 @dataclass(frozen=True)
 class TargetFigures:
     host: str
-    in_flight: int  # bulkhead slots held now (of SCHEDULER_TARGET_CONCURRENCY)
+    in_flight: int | None  # bulkhead slots held now (of SCHEDULER_TARGET_CONCURRENCY); None: unknown
     breaker: str  # closed, open or half_open
     failures: int  # in a row, as the breaker counts them
     next_probe_at: datetime | None
@@ -335,7 +335,8 @@ def target_states(now: datetime | None = None, limit: int = 500) -> list[TargetF
 
     now = now or store_now()  # slot leases are in the store's clock
     # A slot past its lease belongs to a worker that died: not in flight.
-    in_flight = dict(sorted(bulkhead.in_flight(None, now=now).items())[:limit])
+    slots = bulkhead.in_flight(None, now=now)  # None: the slot store (Redis) did not answer
+    in_flight = dict(sorted((slots or {}).items())[:limit])
     states = {b.host: b for b in breakers.objects.order_by("host")[:limit]}
     rows = []
     for host in sorted(set(in_flight) | set(states))[:limit]:
@@ -343,7 +344,7 @@ def target_states(now: datetime | None = None, limit: int = 500) -> list[TargetF
         rows.append(
             TargetFigures(
                 host=host,
-                in_flight=in_flight.get(host, 0),
+                in_flight=None if slots is None else in_flight.get(host, 0),
                 breaker=breaker.state if breaker else "closed",
                 failures=breaker.failures if breaker else 0,
                 next_probe_at=breaker.next_probe_at if breaker else None,
@@ -475,7 +476,8 @@ def _target_lines(now: datetime) -> list[str]:
     if not rows:
         return []
     out = _header("scheduler_target_in_flight", "gauge", "Calls in flight to a target host.")
-    out += [_line("scheduler_target_in_flight", r.in_flight, {"host": r.host}) for r in rows]
+    # Unknown (the slot store did not answer) is no sample, not a 0.
+    out += [_line("scheduler_target_in_flight", r.in_flight, {"host": r.host}) for r in rows if r.in_flight is not None]
     out += _header("scheduler_target_breaker_state", "gauge", "1 for the breaker's current state per target host.")
     for row in rows:
         for state in BREAKER_STATES:
