@@ -81,8 +81,10 @@ from bench.memory import MemorySampler  # noqa: E402
 from bench.soak_actions import USER_KINDS, UserActions, judge, run_facts  # noqa: E402
 from bench import soak_load  # noqa: E402
 from bench.soak_stack import (  # noqa: E402
-    ROOT, ZK_TICK_S, Databases, Fleet, LoadTarget, PrivateRedis, Target, ZooKeeper, ZooKeeperEnsemble,
+    ROOT, ZK_TICK_S, ApiServer, Databases, Fleet, LoadTarget, PrivateRedis, Target, ZooKeeper, ZooKeeperEnsemble,
 )
+
+METRICS_TOKEN = "soak-metrics-scrape"  # the API's /metrics bearer token (--api)
 
 KINDS = ("worker_kill", "worker_stop", "scanner_kill", "redis_flush", "zk_restart", "pg_terminate",
          "target_slow", "target_errors", "duplicate_delivery",
@@ -170,6 +172,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "read `load.steady.started_per_s` (runs left late by the backlog are not a failure here)")
     p.add_argument("--dispatch-batch", type=int, default=0, help="SCHEDULER_DISPATCH_BATCH (default: the setting's)")
     p.add_argument("--worker-calls", type=int, default=0, help="SCHEDULER_WORKER_CALLS (default: the setting's)")
+    p.add_argument("--spare-from-kills", action="store_true",
+                   help="worker-a and scanner-a are never the ones a worker_kill or scanner_kill picks (the other "
+                        "worker and scanner take every kill): one process of each kind lives through the soak, "
+                        "for its memory growth; freezes and cuts still pick any")
+    p.add_argument("--api", action="store_true",
+                   help="serve the REST API (gunicorn) and ask it a request every --api-every seconds all along, "
+                        "for its memory")
+    p.add_argument("--api-every", type=float, default=0.25)
     p.add_argument("--memory-every", type=float, default=15,
                    help="seconds between samples of each process's RSS and PSS (bench/memory.py)")
     args = p.parse_args(argv)
@@ -226,6 +236,7 @@ class Soak:
         self.zk_faults: list[dict[str, Any]] = []  # ensemble faults, cuts: when, for the gap in scanning
         self.flow_faults: list[dict[str, Any]] = []  # server restarts: when, for the time until runs flow again
         self.target: Target | None = None
+        self.api: ApiServer | None = None  # --api: the REST API under use, for its memory
         self.fleet: Fleet | None = None
         self.modes: dict[int, dict[str, Any]] = {}
         self.faults: list[dict[str, Any]] = []
@@ -236,6 +247,9 @@ class Soak:
         self.stop_stream = threading.Event()
         self.stopped_early = ""
         self.memory = MemorySampler(self._memory_groups, every=args.memory_every)
+        self.spared = {"worker-a", "scanner-a"} if args.spare_from_kills else set()
+        self.api_token = ""
+        self.api_env: dict[str, str] = {}
         self.load_range: tuple[int, int] | None = None  # the load jobs' ids (--rate)
         self.load_first: datetime | None = None
 
@@ -293,6 +307,7 @@ class Soak:
         self.target = LoadTarget(target_env, self.workdir, db_url=self.dbs.url(target=True)) if self.args.rate \
             else Target(target_env, self.workdir)
         self.target.start()
+        self.api_env = {**env, "SCHEDULER_METRICS_TOKEN": METRICS_TOKEN}
         worker_env = dict(env)
         if self.args.inject_bug:
             worker_env.update({"SCHEDULER_TESTING": "1", "SCHEDULER_TEST_DISABLE_FENCE": "1"})
@@ -345,6 +360,8 @@ class Soak:
             self.fleet.stop_all()
         if self.target is not None:
             self.target.stop()
+        if self.api is not None:
+            self.api.stop()
         if self.redis is not None:
             self.redis.stop()
         for proxy in [*self.pg_proxies.values(), *(p for ps in self.zk_proxies.values() for p in ps)]:
@@ -401,7 +418,7 @@ class Soak:
     def make_jobs(self) -> None:
         from jobs.services import job_create, service_account_ensure
 
-        self.owner, _ = service_account_ensure(name="soak")
+        self.owner, self.api_token = service_account_ensure(name="soak")
         assert self.target is not None
         # Every job's history (timings, pauses, deletion) is kept for the reference schedule.
         self.actions = UserActions(self.owner, self._job_fields, self.target.ports, self.target.url)
@@ -481,6 +498,15 @@ class Soak:
         self.started = time.time()
         self.memory.start()
         self.make_jobs()
+        if self.args.api:
+            from django.db import connection
+
+            from jobs.models import Job
+
+            self.api = ApiServer(dict(self.api_env), self.workdir, every=self.args.api_every)
+            jobs = [j.public_id for j in Job.objects.filter(owner=self.owner).only("id")]
+            self.api.start(self.api_token, METRICS_TOKEN, jobs)
+            connection.close()
         # User actions on a thread of their own, on their own plan: a fault that takes
         # seconds (a frozen worker) does not hold them back, nor they it.
         self.stop_actions = threading.Event()
@@ -554,14 +580,17 @@ class Soak:
             print(f"stopping early: {self.stopped_early}", flush=True)
         return bool(found or twice)
 
-    def _worker_mid_call(self) -> tuple[str, list[tuple[int, int]]]:
-        """A worker with a call in flight (waiting up to 5 s for one), and its runs."""
+    def _worker_mid_call(self, kill: bool = False) -> tuple[str, list[tuple[int, int]]]:
+        """A worker with a call in flight (waiting up to 5 s for one), and its runs.
+        `kill`: not one spared from kills (--spare-from-kills)."""
         from django.utils import timezone
 
         from runs.models import Run
 
         assert self.fleet is not None
         names = self.fleet.names("worker")
+        if kill:
+            names = [n for n in names if n not in self.spared] or names
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
             random.shuffle(names)
@@ -577,7 +606,7 @@ class Soak:
 
     def fault_worker_kill(self) -> dict[str, Any]:
         assert self.fleet is not None
-        name, running = self._worker_mid_call()
+        name, running = self._worker_mid_call(kill=True)
         at = time.time()
         self.fleet.procs[name].kill()
         self.worker_losses.append({"kind": "worker_kill", "at": at, "runs": running})
@@ -600,7 +629,7 @@ class Soak:
     def fault_scanner_kill(self) -> dict[str, Any]:
         assert self.fleet is not None
         # A scanner that owns partitions right now (after a ZooKeeper restart all may own none for a while).
-        names = self.fleet.names("scanner")
+        names = [n for n in self.fleet.names("scanner") if n not in self.spared] or self.fleet.names("scanner")
         deadline = time.monotonic() + 15
         while not any(self._owned_now(n) for n in names) and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -609,7 +638,7 @@ class Soak:
         owned = self._owned_now(name)
         # Whether another scanner was scanning at the time: if none was (each still starting, or
         # still rejoining after a ZooKeeper restart), the handover waits for that too.
-        survivor = any(self._owned_now(n) for n in names if n != name)
+        survivor = any(self._owned_now(n) for n in self.fleet.names("scanner") if n != name)
         at = time.time()
         proc.kill()
         self.scanner_deaths.append({"at": at, "name": name, "generation": proc.generation, "owned": sorted(owned),
@@ -818,6 +847,9 @@ class Soak:
                                  for pid in group_pids(master)]
         if self.redis is not None:
             groups["redis"].append(("redis", self.redis.proc.pid))
+        if self.api is not None and self.api.proc is not None:
+            master = self.api.proc.pid
+            groups["api"] += [("api-master" if pid == master else "api-worker", pid) for pid in group_pids(master)]
         groups["zookeeper"] += [(f"zookeeper-{pid}", pid) for pid in self.zk.pids()]
         return groups
 
@@ -857,6 +889,8 @@ class Soak:
         assert self.fleet is not None and self.target is not None
         self.fleet.stop_all()
         self.target.stop()
+        if self.api is not None:
+            self.api.stop()
         close_old_connections()
         cutoff = utc(measured_at - self.args.margin)
         small = Run.objects.select_related("job")
@@ -966,6 +1000,8 @@ class Soak:
         }
         report["unexpected_exits"] = self.unexpected_exits
         report["memory"] = self.memory.report()
+        report["spared_from_kills"] = sorted(self.spared)
+        report["api_answers"] = dict(self.api.answered) if self.api is not None else None
         if self.args.max_rate:  # offered above capacity: a backlog, late and unstarted runs, on purpose
             report["highest_sustained_rate"] = load["steady"]["started_per_s"] if load else None
         broken = report["invariant_violations"]

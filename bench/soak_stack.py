@@ -11,6 +11,7 @@ import os
 import re
 import socket
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -257,6 +258,66 @@ class Target:
         os.replace(tmp, self.control)  # the target never reads half a file
 
     def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop(grace=5)
+
+
+@dataclass
+class ApiServer:
+    """The REST API as a deployment serves it (gunicorn, gthread), asked what a
+    service and a dashboard ask, about `every` seconds apart, for the whole soak:
+    so that its memory is sampled under use (issue 19's "no slow leaks"). The soak's
+    faults never kill it; a PostgreSQL restart costs it failed requests, counted."""
+
+    env: dict[str, str]
+    log_dir: Path
+    token: str = ""
+    metrics_token: str = ""
+    every: float = 0.25
+    port: int = field(default_factory=free_port)
+    proc: Proc | None = None
+    answered: dict[str, int] = field(default_factory=dict)  # status (or the error's name) -> count
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self, token: str, metrics_token: str, job_ids: list[str]) -> None:
+        self.token, self.metrics_token = token, metrics_token
+        argv = [PY, "-m", "gunicorn", "scheduler_project.wsgi:application", "-k", "gthread", "-w", "1",
+                "--threads", "4", "--timeout", "60", "--graceful-timeout", "5", "--log-level", "warning",
+                "-b", f"127.0.0.1:{self.port}"]
+        # The poller's rate is far under the throttle; a 429 would still be counted, not hidden.
+        self.proc = Proc("api", argv, {**self.env, "SCHEDULER_API_THROTTLE": "100000/min"}, self.log_dir)
+        wait_for(lambda: self._listening(), 30, "the API to listen")
+        self._thread = threading.Thread(target=self._poll, args=(list(job_ids),), name="api-poller", daemon=True)
+        self._thread.start()
+
+    def _listening(self) -> bool:
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", self.port)) == 0
+
+    def _poll(self, job_ids: list[str]) -> None:
+        import random
+
+        import requests
+
+        session = requests.Session()
+        session.headers["Authorization"] = f"Token {self.token}"
+        base = f"http://127.0.0.1:{self.port}"
+        scrape = {"Authorization": f"Bearer {self.metrics_token}"}
+        paths = ["/api/jobs/", "/api/runs/", "/api/breakers/", "/metrics"]
+        while not self._stop.wait(self.every):
+            path = random.choice(paths + ([f"/api/jobs/{random.choice(job_ids)}/"] if job_ids else []))
+            try:
+                answer = session.get(base + path, timeout=10, headers=scrape if path == "/metrics" else None)
+                key = f"{path.split('/')[2] if path.startswith('/api/') else 'metrics'} {answer.status_code}"
+            except requests.RequestException as exc:
+                key = type(exc).__name__
+            self.answered[key] = self.answered.get(key, 0) + 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=15)
         if self.proc is not None:
             self.proc.stop(grace=5)
 

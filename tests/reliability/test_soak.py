@@ -43,7 +43,7 @@ def soak(tmp_path: Path, *extra: str) -> tuple[int, dict[str, Any], str]:
 
 def test_a_short_soak_with_every_fault_kind_misses_no_run_and_applies_no_effect_twice(tmp_path: Path) -> None:
     code, summary, output = soak(tmp_path, "--duration", "60", "--settle", "25", "--faults-per-kind", "1",
-                                 "--seed", "7")
+                                 "--seed", "7", "--api", "--spare-from-kills")
     assert code == 0, output
     assert summary["missed"] == 0, output
     assert summary["effects_applied_twice"] == 0 and summary["recorded_applied_twice"] == 0, output
@@ -55,6 +55,17 @@ def test_a_short_soak_with_every_fault_kind_misses_no_run_and_applies_no_effect_
     assert len(memory["samples"]) >= 5, memory["samples"]
     assert {"scanner", "worker_parent", "worker_child", "target", "redis"} <= set(memory["kinds"]), memory["kinds"]
     assert all(v["rss_kib"] > 1024 for sample in memory["samples"] for v in sample["processes"].values())
+    # --api: the REST API served and asked all along, its memory sampled with the others'.
+    assert "api" in memory["kinds"], memory["kinds"]
+    answers = summary["api_answers"]
+    assert {"jobs 200", "runs 200", "metrics 200"} <= set(answers) and sum(answers.values()) >= 50, answers
+    assert not [k for k in answers if not k.endswith(" 200")], answers
+    # --spare-from-kills: the kills took the other worker and scanner; worker-a and scanner-a lived through.
+    kills = [f for f in summary["fault_log"] if f["kind"] in ("worker_kill", "scanner_kill")]
+    assert kills and all(f.get("worker", f.get("scanner")) in ("worker-b", "scanner-b") for f in kills), kills
+    assert summary["spared_from_kills"] == ["scanner-a", "worker-a"]
+    lived = {g["process"].split("/")[0] for kind in ("scanner", "worker_parent") for g in memory["kinds"][kind]["growth"]}
+    assert {"scanner-a.1", "worker-a.1"} <= lived, memory["kinds"]
 
 
 def test_with_the_fence_bug_on_the_soak_reports_duplicate_effects_and_fails(tmp_path: Path) -> None:
