@@ -482,17 +482,25 @@ def touch_unclaimed(
     return ids
 
 
-def claimed_up_to(*, partitions: list[int]) -> datetime | None:
+def claimed_up_to(*, partitions: list[int], since: datetime) -> datetime | None:
     """How far through what was published the workers have got: the latest
-    `queued_at` among these partitions' running runs, which the claim set to the
-    publish time of the message that started each (claim_many's `sent_at`; a message
-    from before that rule, or handed back by a worker, leaves it at the time of the
-    run's last copy). None: nothing is running. A read of runs_lease_idx's entries
-    (the runs in flight: a few hundred at full load)."""
-    found: datetime | None = Run.objects.filter(partition__in=partitions, status=S.RUNNING).aggregate(
-        latest=Max("queued_at")
-    )["latest"]
-    return found
+    `queued_at` among these partitions' runs running now or finished since `since`,
+    which the claim set to the publish time of the message that started each
+    (claim_many's `sent_at`; a message from before that rule, or handed back by a
+    worker, leaves it at the time of the run's last copy). None: no run is running
+    and none finished since `since`, the workers have taken none of these
+    partitions' messages lately. Finished runs count too: the load's calls take
+    milliseconds, and at 135 runs/s in the soak there were often no running runs at
+    the moment of a scan, which put the republish back on its plain cut. Two reads:
+    runs_lease_idx's entries (the runs in flight) and runs_finished_idx's since
+    `since` (SCHEDULER_REQUEUE_AFTER's worth of outcomes)."""
+    mine = Run.objects.filter(partition__in=partitions)
+    found = [
+        mine.filter(status=S.RUNNING).aggregate(latest=Max("queued_at"))["latest"],
+        mine.filter(finished_at__gte=since).aggregate(latest=Max("queued_at"))["latest"],
+    ]
+    known = [t for t in found if t is not None]
+    return max(known) if known else None
 
 
 # The oldest due runs over a scanner's partitions: one short range read of

@@ -294,13 +294,16 @@ def _republish(parts: list[int], now: datetime, budget: int, result: ScanResult)
     the claim sets to when the message that started each was published: the workers
     are taking messages published then, and a run whose last copy the broker had
     before those by that much is taken for lost (the broker hands messages on in
-    order, but for the few a worker holds ahead). With nothing running, the plain
-    cut, as before. (Two first versions read the running runs' queued_at as the
+    order, but for the few a worker holds ahead); runs that finished within the
+    last SCHEDULER_REQUEUE_AFTER count as well as running ones. With none of either
+    (the workers took none of these partitions' messages that long: lost, or the
+    workers stopped), the plain cut, as before. Whatever the cut, each copy of a run
+    waits longer than the one before (claims.touch_unclaimed). (Two first versions read the running runs' queued_at as the
     time of their last copy, and a run claimed from an earlier copy pulled the cut
     forward: the republishing fed itself again, 70,389 and 120,247 copies in the
     soak's first 4 minutes.)"""
     older = timedelta(seconds=settings.SCHEDULER_REQUEUE_AFTER)
-    reached = claims.claimed_up_to(partitions=parts)
+    reached = claims.claimed_up_to(partitions=parts, since=now - older)
     stale = claims.touch_unclaimed(
         partitions=parts, now=now, older_than=older, limit=budget,
         before=None if reached is None else reached - older,

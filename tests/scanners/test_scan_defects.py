@@ -283,6 +283,38 @@ def test_while_the_workers_are_behind_the_unclaimed_runs_are_not_published_again
     assert Run.objects.filter(pk__in=backlog, status=S.QUEUED).count() == len(backlog)
 
 
+def _finished_since_queued(owner: Any, queued_at: datetime, finished_at: datetime) -> Run:
+    """A run a worker finished at `finished_at`, started by a message sent at `queued_at`."""
+    job = make_job(owner, name="done")
+    return make_run(job, T0 - timedelta(minutes=5), status=S.SUCCEEDED, queued_at=queued_at, fence=1, attempt=1,
+                    finished_at=finished_at)
+
+
+@override_settings(SCHEDULER_MAX_QUEUED=100, SCHEDULER_REQUEUE_AFTER=30)
+def test_between_two_calls_the_runs_just_finished_say_how_far_the_workers_have_got(service: Any) -> None:
+    # The second 30-minute soak (2026-12-01, 135 runs/s): the load's calls take
+    # milliseconds, so at the moment of a scan often no run was running, the rule fell
+    # back to the plain cut and every waiting run was sent again (12,671 copies in a
+    # minute). A run finished within SCHEDULER_REQUEUE_AFTER counts like a running one.
+    backlog = _queued_backlog(service.user, 20)  # queued at T0 + 31 s
+    now = T0 + timedelta(seconds=31 + 31)
+    _finished_since_queued(service.user, T0 + timedelta(seconds=31), finished_at=now - timedelta(seconds=10))
+    result = scan_once(partitions=ALL, now=now, publish=False)
+    assert result.republished == []
+    assert Run.objects.filter(pk__in=backlog, status=S.QUEUED).count() == len(backlog)
+
+
+@override_settings(SCHEDULER_MAX_QUEUED=100, SCHEDULER_REQUEUE_AFTER=30)
+def test_with_nothing_taken_for_the_wait_the_unclaimed_runs_are_published_again(service: Any) -> None:
+    # The last outcome is older than SCHEDULER_REQUEUE_AFTER and nothing runs: the
+    # workers have taken none of these messages that long (a flushed broker): the plain cut.
+    backlog = _queued_backlog(service.user, 20)
+    now = T0 + timedelta(seconds=31 + 31)
+    _finished_since_queued(service.user, T0 + timedelta(seconds=31), finished_at=now - timedelta(seconds=31))
+    result = scan_once(partitions=ALL, now=now, publish=False)
+    assert sorted(result.republished) == sorted(backlog)
+
+
 @override_settings(SCHEDULER_MAX_QUEUED=100, SCHEDULER_REQUEUE_AFTER=30)
 def test_a_run_claimed_from_an_earlier_copy_does_not_move_the_cut(service: Any) -> None:
     # Two first versions of the rule read a running run's queued_at as the time of
