@@ -373,6 +373,11 @@ if CELERY_BROKER_URL.startswith(("amqp", "pyamqp")):
     # confirms), so a message the broker never took is an error the scanner sees (its
     # run stays queued and is published again), not a message lost without a word.
     CELERY_BROKER_TRANSPORT_OPTIONS = {"confirm_publish": True}
+if CELERY_BROKER_URL.startswith("redis://"):
+    # Kombu's Redis transport with a failed ack freeing its prefetch slot: without it a
+    # Redis restart under load can leave a worker consuming nothing, for good
+    # (scheduler_project/redis_transport.py).
+    CELERY_BROKER_TRANSPORT = "scheduler_project.redis_transport:Transport"
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_ACKS_LATE = False  # the store, not the broker, decides who runs a run
 CELERY_WORKER_PREFETCH_MULTIPLIER = 4

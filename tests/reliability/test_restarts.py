@@ -101,3 +101,29 @@ def test_a_worker_holding_prefetched_messages_survives_a_redis_restart(
     wait_for(lambda: all_succeeded(runs) or not worker.alive(), 60, what=f"every run to succeed ({status_counts(runs)})")
     assert worker.alive(), worker.output()[-3000:]
     assert all_succeeded(runs)
+
+
+def test_a_worker_whose_acks_failed_while_redis_was_down_takes_messages_again(
+        private_redis: PrivateRedis, stack: Stack, counting_target: CountingTarget) -> None:
+    """kombu 5.7's Redis transport kept a prefetch slot for every message whose ack
+    failed (Redis down): once every slot was so lost the worker never asked Redis for a
+    message again, and said nothing. The soak under load (2026-12-01) lost a worker
+    that way for the rest of the soak, 13 s in. scheduler_project.redis_transport frees
+    the slot. One child, 4 prefetch slots; 0.5 s calls through a 3 s outage: the worker
+    starts (and fails to ack) every message it holds while Redis is down."""
+    stack.env.update(CELERY_BROKER_URL=private_redis.url, SCHEDULER_BULKHEAD="database",
+                     SCHEDULER_DISPATCH_BATCH="1", SCHEDULER_REQUEUE_AFTER="3", SCHEDULER_LEASE_SECONDS="5")
+    counting_target.delay(0.5)
+    worker = stack.worker("worker-a", concurrency=1)
+    scanner = stack.scanner("scanner-a")
+    wait_for(lambda: owned(scanner) and " ready." in worker.output(), 40, what="the scanner and the worker")
+    before = one_offs(counting_target.url(), first_in=0, seconds=1, per_second=12)
+    wait_for(lambda: counting_target.received(), 20, interval=0.05, what="the first call")
+    wait_for(lambda: private_redis.hlen("unacked") >= 3, 10, interval=0.05,
+             what="the worker to hold three messages, prefetched")
+    private_redis.restart(hold=3)
+    assert "Couldn't ack" in worker.output(), worker.output()[-3000:]  # the failure this is about
+    after = one_offs(counting_target.url(), first_in=1, seconds=1, per_second=4)
+    wait_for(lambda: all_succeeded(before + after) or not worker.alive(), 60,
+             what=f"every run to succeed ({status_counts(before + after)})")
+    assert worker.alive(), worker.output()[-3000:]
