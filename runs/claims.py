@@ -14,7 +14,7 @@ from datetime import timezone as dt_timezone
 from typing import Any
 
 from django.db import connection, transaction
-from django.db.models import BooleanField, DateTimeField, ExpressionWrapper, F, Max, Q, QuerySet
+from django.db.models import BooleanField, Case, DateTimeField, ExpressionWrapper, F, Max, Q, QuerySet, Value, When
 from django.db.models.expressions import Expression, RawSQL
 from django.utils import timezone
 
@@ -408,15 +408,33 @@ def defer(*, run_id: int, due_at: datetime) -> bool:
     """Back to scheduled, unclaimed, for a run the worker may not call yet (its
     target's bulkhead is full or its breaker is open). Only a run nobody holds a
     live lease on, the claim's own condition; fence and attempt are untouched,
-    so waiting spends no try. False: someone claimed it meanwhile.
-    """
+    so waiting spends no try. False: someone claimed it, or holds its row, now."""
+    return run_id in defer_many(due={run_id: due_at})
+
+
+def defer_many(*, due: dict[int, datetime]) -> dict[int, datetime | None]:
+    """`defer` for many runs in two statements, each run to its own `due_at`; returns
+    the runs deferred, each with its `queued_at` as it was (read under the row lock:
+    the deferral's event is stamped no earlier, runs.services._defer_many). A row
+    another transaction holds (a worker claiming it, a scan publishing it again) is
+    skipped, not waited for: it is not this worker's to defer."""
+    if not due:
+        return {}
     nobody_holds_it = Q(status=S.QUEUED) | Q(status=S.RUNNING, lease_expires_at__lt=StoreClock())
-    return (
-        Run.objects.filter(nobody_holds_it, pk=run_id, held=False).update(
-            status=S.SCHEDULED, due_at=due_at, queued_at=None, lease_owner="", lease_expires_at=None
+    with transaction.atomic():
+        found = dict(
+            Run.objects.filter(nobody_holds_it, pk__in=list(due), held=False)
+            .select_for_update(skip_locked=True, of=("self",))
+            .order_by("pk")
+            .values_list("pk", "queued_at")
         )
-        == 1
-    )
+        if found:
+            Run.objects.filter(pk__in=list(found)).update(
+                status=S.SCHEDULED,
+                due_at=Case(*[When(pk=pk, then=Value(due[pk])) for pk in found], output_field=DateTimeField()),
+                queued_at=None, lease_owner="", lease_expires_at=None,
+            )
+    return found
 
 
 def _lock_ids(query: "QuerySet[Run]", limit: int) -> list[int]:

@@ -47,7 +47,7 @@ def test_a_dead_run_a_late_run_and_an_open_breaker_show_on_the_next_load_with_li
     make_run(job, ago(seconds=5), status=S.QUEUED, is_backfill=True)  # queued, not late
     down = new_job(owner, name="down", target="https://down.test:8443/hook")
     probe_at = timezone.now() + timedelta(seconds=30)
-    # A worker sent this run back to wait for the breaker's probe (runs.services._defer)...
+    # A worker sent this run back to wait for the breaker's probe (runs.services._defer_many)...
     waiting = Run.objects.get(job=down, status=S.SCHEDULED)
     Run.objects.filter(pk=waiting.pk).update(due_at=probe_at)
     # ...while this one, on the same host, is not due until tomorrow: not held by the breaker.

@@ -1,6 +1,8 @@
-"""A worker's deferral (bulkhead full, breaker open) that waits on a scan's row lock
-is not stamped before what that scan wrote (found by the soak under load on
-RabbitMQ: bulkhead_wait events 3 to 5 s before the requeue they waited on)."""
+"""A worker's deferral (bulkhead full, breaker open) is never stamped before what a
+scan wrote to the run (found by the soak under load on RabbitMQ: bulkhead_wait
+events 3 to 5 s before the requeue they waited on). Deferrals are one statement for
+a wave's held runs now (services._defer_many), and a run a scan holds locked is
+skipped, not waited for: the scan is publishing it again."""
 from __future__ import annotations
 
 import threading
@@ -22,7 +24,7 @@ HOLD = 1.5  # seconds the other writer keeps the row locked
 
 
 @pytest.mark.skipif(connection.vendor != "postgresql", reason="row locks: PostgreSQL")
-def test_a_deferral_that_waited_on_a_row_lock_is_stamped_after_the_wait() -> None:
+def test_a_run_a_scan_holds_is_not_deferred_and_keeps_the_scans_timeline() -> None:
     job = make_job()
     now = claims.store_now()
     run = make_run(job, now.replace(microsecond=0), status=Run.Status.QUEUED, queued_at=now)
@@ -45,16 +47,39 @@ def test_a_deferral_that_waited_on_a_row_lock_is_stamped_after_the_wait() -> Non
     thread = threading.Thread(target=other_writer)
     thread.start()
     assert locked.wait(10)
-    stale = claims.store_now()  # the wave's clock, read before the deferral waits
-    got = services._defer(Run.objects.select_related("job").get(pk=run.pk), stale,
-                          stale + timedelta(seconds=5), "bulkhead_wait", host="127.0.0.1:9", limit=1)
+    stale = claims.store_now()  # the wave's clock
+    other = make_run(make_job(), stale.replace(microsecond=0), status=Run.Status.QUEUED,
+                     queued_at=stale)  # held back in the same wave, locked by nobody
+    wave = list(Run.objects.select_related("job").filter(pk__in=[run.pk, other.pk]).order_by("pk"))
+    started = time.monotonic()
+    got = services._defer_many([(r, stale + timedelta(seconds=5), {"host": "127.0.0.1:9", "limit": 1}) for r in wave],
+                               stale, "bulkhead_wait")
+    waited_s = time.monotonic() - started
     thread.join(10)
-    assert got == "bulkhead_wait"
-    waited = RunEvent.objects.get(run_id=run.pk, type="bulkhead_wait")
-    requeued = RunEvent.objects.get(run_id=run.pk, type="requeued")
-    assert requeued.at == released["at"]
-    assert waited.at >= requeued.at, (waited.at, requeued.at)
-    assert waited.at - stale >= timedelta(seconds=HOLD * 0.9)
+    assert got == {run.pk: "not_claimed", other.pk: "bulkhead_wait"}
+    assert waited_s < HOLD / 2  # skipped, not waited for
+    assert not RunEvent.objects.filter(run_id=run.pk, type="bulkhead_wait").exists()
+    assert RunEvent.objects.get(run_id=run.pk, type="requeued").at == released["at"]
+    run.refresh_from_db()
+    assert (run.status, run.queued_at) == (Run.Status.QUEUED, released["at"])  # the scan's copy stands
+    other.refresh_from_db()
+    assert (other.status, other.due_at) == (Run.Status.SCHEDULED, stale + timedelta(seconds=5))
+    assert RunEvent.objects.get(run_id=other.pk, type="bulkhead_wait").at == stale
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="the store's clock: PostgreSQL")
+def test_a_deferral_is_stamped_no_earlier_than_the_runs_last_copy() -> None:
+    # A scan published the run again after the wave read its clock: the deferral comes
+    # after that `requeued` in the timeline.
+    job = make_job()
+    wave_now = claims.store_now()
+    copied_at = wave_now + timedelta(milliseconds=300)
+    run = make_run(job, wave_now.replace(microsecond=0), status=Run.Status.QUEUED, queued_at=copied_at)
+    events.record(run.pk, "requeued", copied_at)
+    got = services._defer_many([(Run.objects.select_related("job").get(pk=run.pk), wave_now + timedelta(seconds=5),
+                                 {"host": "127.0.0.1:9", "limit": 1})], wave_now, "bulkhead_wait")
+    assert got == {run.pk: "bulkhead_wait"}
+    assert RunEvent.objects.get(run_id=run.pk, type="bulkhead_wait").at == copied_at
 
 
 
@@ -72,9 +97,9 @@ def test_a_deferral_is_not_stamped_after_a_scan_that_queues_the_run_again() -> N
     time.sleep(0.02)
     scan_now = claims.store_now()  # the scan's probe
     time.sleep(0.05)
-    got = services._defer(Run.objects.select_related("job").get(pk=run.pk), wave_now,
-                          scan_now - timedelta(seconds=1), "bulkhead_wait", host="127.0.0.1:9", limit=1)
-    assert got == "bulkhead_wait"
+    got = services._defer_many([(Run.objects.select_related("job").get(pk=run.pk), scan_now - timedelta(seconds=1),
+                                 {"host": "127.0.0.1:9", "limit": 1})], wave_now, "bulkhead_wait")
+    assert got == {run.pk: "bulkhead_wait"}
     result = scan_once(partitions=range(settings.SCHEDULER_PARTITIONS), now=scan_now, publish=False)
     assert run.pk in result.queued
     found = [(e.type, e.at) for e in timeline_of(run.pk)]
