@@ -264,6 +264,26 @@ def test_due_runs_take_the_queues_room_first_and_republishing_gets_what_is_left(
     assert len(result.republished) == 40 - 20 - 5  # the room left after the due runs
 
 
+@override_settings(SCHEDULER_MAX_QUEUED=40, SCHEDULER_REQUEUE_AFTER=30, SCHEDULER_DISPATCH_BATCH=200)
+def test_a_queue_at_its_limit_is_fed_a_message_at_a_time_not_a_run_at_a_time(service: Any) -> None:
+    # The soak under load (2026-12-01, 135 runs/s): a queue at SCHEDULER_MAX_QUEUED was
+    # fed whatever room each scan found, claims fell to a median of 2 runs, and the
+    # workers to about 35 runs/s. A scan now waits for a message's worth of room
+    # (here a quarter of the limit: 10).
+    from scanners.scan import queue_chunk
+
+    assert queue_chunk() == 10
+    backlog = _queued_backlog(service.user, 40)
+    Run.objects.filter(pk__in=backlog[:5]).update(status=S.SUCCEEDED)  # the workers took 5: room for 5
+    fresh = [per_minute(service.user, name=f"f{i}") for i in range(12)]
+    now = T0 + timedelta(seconds=40)  # nothing waited past SCHEDULER_REQUEUE_AFTER: no republishing
+    assert scan_once(partitions=ALL, now=now, publish=False).queued == []
+    Run.objects.filter(pk__in=backlog[5:10]).update(status=S.SUCCEEDED)  # 5 more: room for 10
+    result = scan_once(partitions=ALL, now=now, publish=False)
+    assert sorted(result.queued) == sorted(Run.objects.filter(job__in=fresh, status=S.QUEUED).values_list("pk", flat=True))
+    assert len(result.queued) == 10
+
+
 def _running_since_queued(owner: Any, queued_at: datetime) -> Run:
     """A run a worker holds now, started by a message sent at `queued_at`."""
     job = make_job(owner, name="in-flight")
