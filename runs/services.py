@@ -951,7 +951,8 @@ def _detach_failed(run: Run, claim: Claim, exc: Exception, now: datetime) -> Non
 
 
 def _detach(todo: list[tuple[Run, Claim]], jobs: dict[int, Job], now: datetime) -> None:
-    detached = [run for run, claim in todo if claims.detach(run_id=run.pk, fence=claim.fence)]
+    done = set(claims.detach_many(fences={run.pk: claim.fence for run, claim in todo}))
+    detached = [run for run, _ in todo if run.pk in done]
     if not detached:
         return
     latest: dict[int, datetime] = {}

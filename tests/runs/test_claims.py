@@ -219,3 +219,15 @@ def test_the_soaks_deliberate_bug_still_lets_a_live_lease_be_claimed(monkeypatch
     monkeypatch.setenv("SCHEDULER_TESTING", "1")
     monkeypatch.setenv("SCHEDULER_TEST_DISABLE_FENCE", "1")
     assert [c.fence for c in claims.claim_many(run_ids=[run.pk], worker="w2", lease=LEASE)] == [2]
+
+
+@pytest.mark.embedded
+def test_detach_many_detaches_the_runs_held_under_their_fence_only() -> None:
+    held = [queued_run() for _ in range(3)]
+    taken = {c.run_id: c.fence for c in claims.claim_many(run_ids=[r.pk for r in held], worker="w", lease=LEASE)}
+    assert set(taken) == {r.pk for r in held}
+    mine, stale, again = held
+    fences = {mine.pk: taken[mine.pk], stale.pk: taken[stale.pk] - 1, again.pk: taken[again.pk]}
+    assert claims.detach_many(fences=fences) == sorted([mine.pk, again.pk])  # not under a superseded fence
+    assert claims.detach_many(fences=fences) == []  # detached already
+    assert sorted(Run.objects.filter(detached=True).values_list("pk", flat=True)) == sorted([mine.pk, again.pk])
