@@ -96,8 +96,16 @@ def scan_once(
     if publish and result.lease_expired:
         publish_runs(result.lease_expired, now=now)
     # Back-pressure: runs wait in the store, not in the broker (SCHEDULER_MAX_QUEUED).
-    room = settings.SCHEDULER_MAX_QUEUED - claims.count_queued(partitions=parts)
+    waiting = claims.count_queued(partitions=parts)
+    room = settings.SCHEDULER_MAX_QUEUED - waiting
     left = room if room >= queue_chunk() else 0
+    # With a message's worth already waiting, the workers are behind: a run queued
+    # ahead will not be taken before its time anyway, and slicing by due time
+    # (run_messages) would only make messages of a few runs each, every one paying a
+    # batch's fixed statements. The soak under load (2026-12-01, 135 runs/s) had its
+    # claims at a median of 2 runs, and its workers at a third of their rate, on
+    # messages sliced before the backlog and taken after it. Then: full messages.
+    behind = waiting >= queue_chunk()
     # Runs due within the look-ahead are queued now, published, and waited for by the
     # worker, which claims each at its due time (runs.services.run_execute_many). Late
     # or not is decided at the batch's clock.
@@ -116,7 +124,7 @@ def scan_once(
             queued = _queue_due(due, at, result)
         if publish and queued:
             publish_runs([run.pk for run in queued], hosts={run.pk: _host(run.job) for run in queued},
-                         due={run.pk: run.due_at for run in queued}, now=at)
+                         due={} if behind else {run.pk: run.due_at for run in queued}, now=at)
         left -= len(queued)
         if len(due) < limit:
             break
