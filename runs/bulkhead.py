@@ -32,9 +32,9 @@ from functools import lru_cache
 from typing import Protocol
 
 from django.conf import settings
-from redis.exceptions import RedisError
 from django.db import IntegrityError, transaction
 from django.db.models import Count, Max
+from redis.exceptions import RedisError
 
 from runs.models import TargetSlot
 

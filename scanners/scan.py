@@ -98,14 +98,15 @@ def scan_once(
     # Back-pressure: runs wait in the store, not in the broker (SCHEDULER_MAX_QUEUED).
     waiting = claims.count_queued(partitions=parts)
     room = settings.SCHEDULER_MAX_QUEUED - waiting
-    left = room if room >= queue_chunk() else 0
+    chunk = queue_chunk()
+    left = room if room >= chunk else 0
     # With a message's worth already waiting, the workers are behind: a run queued
     # ahead will not be taken before its time anyway, and slicing by due time
     # (run_messages) would only make messages of a few runs each, every one paying a
     # batch's fixed statements. The soak under load (2026-12-01, 135 runs/s) had its
     # claims at a median of 2 runs, and its workers at a third of their rate, on
     # messages sliced before the backlog and taken after it. Then: full messages.
-    behind = waiting >= queue_chunk()
+    behind = waiting >= chunk
     # Runs due within the look-ahead are queued now, published, and waited for by the
     # worker, which claims each at its due time (runs.services.run_execute_many). Late
     # or not is decided at the batch's clock.
@@ -318,10 +319,10 @@ def _republish(parts: list[int], now: datetime, budget: int, result: ScanResult)
     last SCHEDULER_REQUEUE_AFTER count as well as running ones. With none of either
     (the workers took none of these partitions' messages that long: lost, or the
     workers stopped), the plain cut, as before. Whatever the cut, each copy of a run
-    waits longer than the one before (claims.touch_unclaimed). (Two first versions read the running runs' queued_at as the
-    time of their last copy, and a run claimed from an earlier copy pulled the cut
-    forward: the republishing fed itself again, 70,389 and 120,247 copies in the
-    soak's first 4 minutes.)"""
+    waits longer than the one before (claims.touch_unclaimed). (Two first versions
+    read the running runs' queued_at as the time of their last copy, and a run
+    claimed from an earlier copy pulled the cut forward: the republishing fed itself
+    again, 70,389 and 120,247 copies in the soak's first 4 minutes.)"""
     older = timedelta(seconds=settings.SCHEDULER_REQUEUE_AFTER)
     reached = claims.claimed_up_to(partitions=parts, since=now - older)
     stale = claims.touch_unclaimed(
