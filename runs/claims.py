@@ -45,7 +45,7 @@ UPDATE runs
    AND due_at <= {now}
    AND (status = 'queued' OR (status = 'running' AND lease_expires_at < {now}))
    AND (on_row & 4) = 0
-RETURNING fence, attempt, started_at
+RETURNING fence, attempt, started_at, on_row_claimed_at
 """
 # The claim puts its `claimed` entry on the row (runs.timeline: bit 4, ON_ROW_CLAIMED).
 # A run whose row still carries an earlier claim's entry (a lease that ran out and is
@@ -86,6 +86,9 @@ class Claim:
     # The run's first claim (kept across retries and lease take-overs): when it went
     # in flight, for the overlap policy (runs.services.job_next_runs).
     started_at: datetime | None = None
+    # This claim's own time, the store's clock in its statement (the row's `claimed`
+    # entry): what is written beside the claim is stamped no earlier than it.
+    claimed_at: datetime | None = None
 
 
 def _as_datetime(value: object) -> datetime | None:
@@ -222,7 +225,8 @@ def _claim_ids(run_ids: list[int], worker: str, lease: timedelta, sent_at: datet
         cursor.execute(sql, [worker, *until, *now, *now, worker, *sent, *ids, False, *now, *now])
         rows = cursor.fetchall()
     return [
-        Claim(run_id=int(r[0]), fence=int(r[1]), attempt=int(r[2]), worker=worker, started_at=_as_datetime(r[3]))
+        Claim(run_id=int(r[0]), fence=int(r[1]), attempt=int(r[2]), worker=worker, started_at=_as_datetime(r[3]),
+              claimed_at=_as_datetime(r[4]))
         for r in rows
     ]
 

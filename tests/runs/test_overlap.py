@@ -710,3 +710,33 @@ def test_one_job_that_cannot_be_resumed_costs_only_that_job(
     assert Job.objects.get(pk=first.pk).paused and not Job.objects.get(pk=second.pk).paused
     Job.objects.filter(pk=first.pk).update(schedule=EVERY_MINUTE)  # mended
     assert scan().resumed == [first.pk]  # the next scan tries it again
+
+
+@override_settings(SCHEDULER_MISFIRE_GRACE=60, SCHEDULER_BREAKER_FAILURES=10**6)
+def test_under_allow_the_detached_event_is_not_stamped_before_its_claim(
+    service: Any, target: HeldTarget, clock: Any
+) -> None:
+    """The wave reads the store's clock, then locks the allow-jobs (which can wait
+    seconds behind a scan or an edit), then claims: the claim's entry carries the
+    claim statement's own time. The soak under load (2026-12-01, 135 runs/s) found
+    `detached` events stamped with the wave's earlier reading, 2.3 s before the
+    `claimed` they follow, which runs.invariants counts as a timeline going back."""
+    import runs.services as services
+
+    job = make(service.user, target.url("/a"), overlap="allow")
+    run = first_run_due(clock, job)
+    real_lock = services.jobs_lock
+
+    def lock_after_a_wait(*args: Any, **kwargs: Any) -> Any:
+        clock.shift(3)  # the wait for the job's row lock
+        return real_lock(*args, **kwargs)
+
+    with mock.patch.object(services, "jobs_lock", lock_after_a_wait):
+        assert services.run_execute_many(run_ids=[run.pk], worker="w1")[run.pk] == "succeeded"
+    [claimed], [detached] = entries(run, "claimed"), entries(run, "detached")
+    assert claimed.at == run.due_at + timedelta(seconds=3) and detached.at >= claimed.at
+    from runs.invariants import timeline_violations
+    from tests.factories import timeline_of
+
+    run.refresh_from_db()
+    assert timeline_violations(run.status, timeline_of(run)) == []

@@ -456,3 +456,29 @@ def test_the_republish_budget_is_the_room_left_at_least_a_few_at_most_a_batch() 
     assert scan.republish_budget(room_left=0, batch=500) == scan.REPUBLISH_WHEN_FULL
     assert scan.republish_budget(room_left=-20, batch=500) == scan.REPUBLISH_WHEN_FULL
     assert scan.republish_budget(room_left=0, batch=4) == 4
+
+
+def test_a_scan_through_late_runs_stops_within_its_batch_when_its_partitions_are_lost(service: Any) -> None:
+    # Each late run is a savepoint, a job lock and its misfire policy: under load a
+    # batch of them took seconds, and a scanner cut off from ZooKeeper went on writing
+    # through it, 6.29 s after the cut (session timeout 4 s; the soak under load,
+    # 2026-12-01). The lease is asked every LATE_RUNS_PER_ASK late runs, and a batch
+    # that finds it lost is undone.
+    n = 2 * scan.LATE_RUNS_PER_ASK + 5
+    for i in range(n):
+        per_minute(service.user, name=f"late{i}", misfire="run_once")
+    answers = iter([True, False])
+    asked: list[bool] = []
+
+    def keep_going() -> bool:
+        asked.append(next(answers))
+        return asked[-1]
+
+    late = T0 + timedelta(hours=1)
+    result = scan_once(partitions=ALL, now=late, publish=False, keep_going=keep_going)
+    assert asked == [True, False] and result.queued == [] and result.misfired == 0
+    assert Run.objects.filter(status=S.SCHEDULED).count() == n  # nothing of the batch kept
+    assert not Run.objects.filter(status=S.QUEUED).exists()
+    # With the lease kept, the same scan handles them all.
+    result = scan_once(partitions=ALL, now=late, publish=False, keep_going=lambda: True)
+    assert len(result.queued) == n
