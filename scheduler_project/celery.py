@@ -15,6 +15,26 @@ app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks(["runs"])
 
 
+# A worker child keeps its database connection from task to task (settings:
+# CELERY_DB_REUSE_MAX), under Django's rule, as a request would: too old
+# (CONN_MAX_AGE) or broken by an error, it is closed, and the next use connects again
+# (CONN_HEALTH_CHECKS: one that broke while idle, a database restart, is found before
+# the task's first statement, not by it).
+from celery.signals import task_postrun, task_prerun  # noqa: E402
+
+
+@task_prerun.connect
+@task_postrun.connect
+def _database_connections_by_djangos_rule(task: object = None, **_: object) -> None:
+    # Not for a task run eagerly, in its caller's process and transaction (the fix-up
+    # leaves those alone too).
+    if getattr(getattr(task, "request", None), "is_eager", False):
+        return
+    from django.db import close_old_connections
+
+    close_old_connections()
+
+
 # Each worker writes its own heartbeat row (runs.workers): the system page lists workers
 # from those rows, never from a broadcast that a hung worker could leave unanswered.
 from celery.signals import worker_ready, worker_shutdown  # noqa: E402
