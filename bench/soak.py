@@ -172,6 +172,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "read `load.steady.started_per_s` (runs left late by the backlog are not a failure here)")
     p.add_argument("--dispatch-batch", type=int, default=0, help="SCHEDULER_DISPATCH_BATCH (default: the setting's)")
     p.add_argument("--worker-calls", type=int, default=0, help="SCHEDULER_WORKER_CALLS (default: the setting's)")
+    p.add_argument("--lookahead", type=float, default=None, help="SCHEDULER_LOOKAHEAD (default: the setting's)")
     p.add_argument("--spare-from-kills", action="store_true",
                    help="worker-a and scanner-a are never the ones a worker_kill or scanner_kill picks (the other "
                         "worker and scanner take every kill): one process of each kind lives through the soak, "
@@ -281,6 +282,8 @@ class Soak:
             env["SCHEDULER_DISPATCH_BATCH"] = str(a.dispatch_batch)
         if a.worker_calls:
             env["SCHEDULER_WORKER_CALLS"] = str(a.worker_calls)
+        if a.lookahead is not None:
+            env["SCHEDULER_LOOKAHEAD"] = str(a.lookahead)
         for name in ("DEBUG", "RECEIVER_SIGNING_SECRETS"):
             env.pop(name, None)
         return env

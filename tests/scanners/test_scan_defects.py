@@ -24,7 +24,7 @@ from runs.models import Run
 from runs.services import run_next_create
 from scanners import scan
 from scanners.scan import scan_once
-from tests.factories import make_job, make_run, utc, timeline_types, entries, entry
+from tests.factories import entries, entry, expire_lease, make_job, make_run, timeline_types, utc
 
 pytestmark = pytest.mark.django_db
 S = Run.Status
@@ -482,3 +482,25 @@ def test_a_scan_through_late_runs_stops_within_its_batch_when_its_partitions_are
     # With the lease kept, the same scan handles them all.
     result = scan_once(partitions=ALL, now=late, publish=False, keep_going=lambda: True)
     assert len(result.queued) == n
+
+
+@override_settings(SCHEDULER_MAX_QUEUED=100, SCHEDULER_REQUEUE_AFTER=30)
+def test_a_scan_given_its_probe_looks_only_for_the_kinds_of_work_it_says_are_due(service: Any) -> None:
+    # A steady stream of due runs has a scanner scanning every few tens of
+    # milliseconds; the resume, lease and republish reads were half of each scan's
+    # statements (the soak at 155 runs/s, 2026-12-02). The probe (next_work) says when
+    # each kind is next due, and a scan given it skips the kinds that are not.
+    backlog = _queued_backlog(service.user, 5)  # queued at T0 + 31 s, none claimed
+    later = T0 + timedelta(seconds=31 + 31)
+    not_yet = scan.Work(now=later, queued=T0 + timedelta(seconds=33))  # the oldest waited 29 s
+    assert scan_once(partitions=ALL, now=later, publish=False, work=not_yet).republished == []
+    assert sorted(scan_once(partitions=ALL, now=later, publish=False,
+                            work=scan.Work(now=later, queued=T0 + timedelta(seconds=31))).republished) == sorted(backlog)
+    # A lease that ran out is taken back only when the probe says one has.
+    lost = _running_since_queued(service.user, T0)
+    expire_lease(lost.pk)
+    now = claims.store_now()
+    assert scan_once(partitions=ALL, now=now, publish=False, work=scan.Work(now=now)).lease_expired == []
+    assert Run.objects.get(pk=lost.pk).status == S.RUNNING
+    found = scan_once(partitions=ALL, now=now, publish=False, work=scan.Work(now=now, lease=now - timedelta(seconds=1)))
+    assert found.lease_expired == [lost.pk]

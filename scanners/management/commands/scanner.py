@@ -107,7 +107,7 @@ class Command(BaseCommand):
             # A live scan: later batches by the time it has taken; it ends early if
             # its partitions stop being this scanner's meanwhile.
             result = scan_once(partitions=owned, now=work.now, advance=True,
-                               keep_going=lambda: leases.poll() == owned)
+                               keep_going=lambda: leases.poll() == owned, work=work)
         except Exception:  # the database is down or a statement failed: try again next turn
             logger.exception("scan failed")
             self._store_failed()
