@@ -77,6 +77,26 @@ def test_a_late_write_after_the_scanner_took_the_lease_back_is_refused_in_order(
     assert timeline_violations("succeeded", timeline(*steps)) == []
 
 
+def test_a_holder_whose_lease_was_taken_back_may_write_late_stamped_by_its_own_earlier_reading() -> None:
+    # A worker cut off from PostgreSQL mid-call (the soak under load, 2026-12-02): its
+    # call answered, it read the store's clock, then its outcome write waited out the
+    # cut; meanwhile the scanner took the lease back. Its answer and its refused
+    # outcome come after `lease_expired`, stamped seconds before it.
+    steps = HANDOVER[:4] + [("target_answered", {"fence": 1, "status": 200}), ("stale_write_rejected", {"fence": 1}),
+                            ("queued", {}), ("claimed", {"fence": 2, "attempt": 2}), ("succeeded", {"fence": 2})]
+    events = timeline(*steps)
+    for i in (4, 5):  # 4 s before the lease_expired written before them
+        events[i] = Event(events[i].id, events[3].at - timedelta(seconds=4), events[i].type, events[i].detail)
+    assert timeline_violations("succeeded", events) == []
+    # A live lease's holder is no such exception: the same late stamps without the
+    # lease taken back are the clock going backwards.
+    live = [e for e in events if e.type != "lease_expired"]
+    assert any("target_answered" in p and "is before" in p for p in timeline_violations("succeeded", live[:5]))
+    # Nor is an event of the store's own (no fence) after the lease was taken back.
+    late_queue = events[:4] + [Event(5, events[3].at - timedelta(seconds=4), "queued", {})]
+    assert any("queued" in p and "is before" in p for p in timeline_violations("queued", late_queue))
+
+
 def test_a_dead_run_requeued_by_an_operator_goes_on_counting_attempts_with_a_higher_fence() -> None:
     steps = [("claimed", {"fence": 1, "attempt": 1}), ("dead", {"fence": 1}),
              ("requeued", {"previous_attempts": 1}), ("queued", {}), ("claimed", {"fence": 2, "attempt": 2}),
