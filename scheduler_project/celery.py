@@ -35,40 +35,6 @@ def _database_connections_by_djangos_rule(task: object = None, **_: object) -> N
     close_old_connections()
 
 
-# A worker child's calls run on a pool of up to SCHEDULER_WORKER_CALLS threads
-# (runs.delivery.call_pool), and glibc gives threads malloc arenas of their own, up to
-# eight a core, each keeping what it once held: in the 30-minute soak under load
-# (2026-12-02) the children's resident memory rose in steps, 8 to 14% after the first
-# five minutes, children of 200 threads at 126 to 131 MiB against 105 MiB for young
-# ones. Two arenas, as MALLOC_ARENA_MAX=2 would give (glibc reads that variable
-# itself at start, and then this leaves it alone).
-M_ARENA_MAX = -8  # glibc's mallopt parameter
-MALLOC_ARENAS = 2
-
-
-def cap_malloc_arenas() -> bool:
-    """At most MALLOC_ARENAS glibc malloc arenas in this process, from now on. False
-    where that is not glibc's malloc, or MALLOC_ARENA_MAX is set."""
-    if "MALLOC_ARENA_MAX" in os.environ:
-        return False
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(M_ARENA_MAX, MALLOC_ARENAS))
-    except (OSError, AttributeError):  # not glibc (musl, macOS): its allocator's own way
-        return False
-
-
-from celery.signals import worker_process_init  # noqa: E402
-
-
-@worker_process_init.connect
-def _child_malloc_arenas(**_: object) -> None:
-    cap_malloc_arenas()  # before the child makes its call threads
-
-
 # Each worker writes its own heartbeat row (runs.workers): the system page lists workers
 # from those rows, never from a broadcast that a hung worker could leave unanswered.
 from celery.signals import worker_ready, worker_shutdown  # noqa: E402

@@ -59,12 +59,3 @@ def test_a_worker_child_keeps_its_database_connection_across_messages(
     # ...and the worker did not connect again for each: its child's one connection,
     # and at most a few for the test's own reads and the processes' threads.
     assert opened <= 4, f"{opened} sessions for {MESSAGES} messages"
-
-
-def test_a_worker_child_caps_its_malloc_arenas(monkeypatch: pytest.MonkeyPatch) -> None:
-    from scheduler_project import celery as app_module
-
-    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
-    assert app_module.cap_malloc_arenas()  # glibc, as on every machine this runs on
-    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
-    assert not app_module.cap_malloc_arenas()  # glibc read the variable itself
