@@ -12,7 +12,8 @@ import ssl
 import threading
 import time
 import unicodedata
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import datetime, timezone as dt_timezone
 from typing import Callable, Generic, TypeVar
@@ -77,12 +78,115 @@ class _PerProcess(Generic[T]):
 # the one thread that cuts a call off at its deadline.
 _idle = _PerProcess(lambda: IdleConnections(per_origin=max(8, settings.SCHEDULER_WORKER_CALLS)))
 _deadlines = _PerProcess(Deadlines)
-# The worker process's threads for calls in flight (SCHEDULER_WORKER_CALLS of them):
-# a batch's calls go out side by side, each thread with its own keep-alive connections.
-_calls = _PerProcess(lambda: ThreadPoolExecutor(max_workers=settings.SCHEDULER_WORKER_CALLS, thread_name_prefix="call"))
+IDLE_THREAD_SECONDS = 30.0  # a call thread with nothing to do for this long ends
 
 
-def call_pool() -> ThreadPoolExecutor:
+class CallPool:
+    """Threads for calls in flight, at most `limit`, made as calls need them. The thread
+    that went idle last takes the next call, so a steady stream keeps only as many
+    threads as it has calls in flight, and a thread left idle for `idle_seconds` ends:
+    the threads a burst made (a slow host, a backlog) go once it is over, and with them
+    their stacks and their share of the allocator, where a ThreadPoolExecutor keeps every
+    thread it ever made (docs/reliability.md: the worker children's memory). Calls over
+    the limit wait in order for a thread."""
+
+    def __init__(self, limit: int, *, idle_seconds: float = IDLE_THREAD_SECONDS, name: str = "call") -> None:
+        self.limit = max(1, limit)
+        self.idle_seconds = idle_seconds
+        self._name = name
+        self._lock = threading.Lock()
+        self._idle: list[_Hand] = []  # idle threads' hands, the last to go idle on top
+        self._waiting: deque[_Work] = deque()  # calls waiting for a thread (all busy)
+        self._threads = 0
+        self._made = 0
+
+    def submit(self, fn: Callable[..., T], *args: object) -> Future[T]:
+        work: _Work = (Future(), fn, args)
+        with self._lock:
+            if self._idle:
+                hand = self._idle.pop()
+                hand.work = work
+                hand.ready.set()
+            elif self._threads < self.limit:
+                self._threads += 1
+                self._made += 1
+                thread = threading.Thread(target=self._serve, args=(work,), name=f"{self._name}-{self._made}", daemon=True)
+                try:
+                    thread.start()
+                except RuntimeError:  # no thread to be had: the call waits for a busy one, if any
+                    self._threads -= 1
+                    if not self._threads:
+                        raise
+                    self._waiting.append(work)
+            else:
+                self._waiting.append(work)
+        return work[0]
+
+    def threads(self) -> int:
+        """Threads alive in the pool, busy or idle (tests, metrics)."""
+        with self._lock:
+            return self._threads
+
+    def _serve(self, work: _Work | None) -> None:
+        hand = _Hand()
+        while work is not None:
+            future, fn, args = work
+            result: object = None
+            failed: BaseException | None = None
+            ran = future.set_running_or_notify_cancel()
+            if ran:
+                try:
+                    result = fn(*args)
+                except BaseException as exc:  # the caller's future carries it, as an executor's does
+                    failed = exc
+            # Back among the idle before the caller hears: its next call finds this thread.
+            work = self._waiting_or_idle(hand)
+            if ran and failed is None:
+                future.set_result(result)
+            elif ran:
+                future.set_exception(failed)
+            del future, fn, args, result, failed  # nothing of a finished call is held while idle
+            if work is None:
+                work = self._wait(hand)
+
+    def _waiting_or_idle(self, hand: _Hand) -> _Work | None:
+        with self._lock:
+            if self._waiting:
+                return self._waiting.popleft()
+            hand.work = None
+            hand.ready.clear()
+            self._idle.append(hand)
+            return None
+
+    def _wait(self, hand: _Hand) -> _Work | None:
+        hand.ready.wait(self.idle_seconds)
+        with self._lock:
+            work, hand.work = hand.work, None
+            if work is None:  # no call came: this thread ends
+                self._idle.remove(hand)
+                self._threads -= 1
+            return work
+
+
+_Work = tuple[Future, Callable[..., object], tuple[object, ...]]
+
+
+class _Hand:
+    """Where an idle thread is handed its next call."""
+
+    __slots__ = ("ready", "work")
+
+    def __init__(self) -> None:
+        self.ready = threading.Event()
+        self.work: _Work | None = None
+
+
+# The worker process's threads for calls in flight (SCHEDULER_WORKER_CALLS at most): a
+# batch's calls go out side by side.
+_calls = _PerProcess(lambda: CallPool(settings.SCHEDULER_WORKER_CALLS))
+
+
+def call_pool() -> CallPool:
     return _calls.get()
 
 
