@@ -22,7 +22,7 @@ Choices where the CONTRACT is silent:
 - Every write is audited (jobs.audit): created, changed (with the names of the
   fields given, never their values), paused, resumed, deleted.
 - Every operation's schema lists its error answers (ApiSchema): 401 with
-  `WWW-Authenticate`, 429 with `Retry-After`, 400/413/415 where a body is read,
+  `WWW-Authenticate`, 429 and 503 with `Retry-After`, 400/413/415 where a body is read,
   404 where an id or a page is read; each is `{"detail": "..."}` but the 400 of
   a bad field, which names the field(s).
 - A job's runs are newest scheduled time first; `/api/runs/` is newest first by
@@ -135,6 +135,8 @@ class ApiSchema(AutoSchema):
         errors: dict[int, Any] = {
             401: OpenApiResponse(ERROR, description="No token, or a bad or revoked one."),
             429: OpenApiResponse(ERROR, description="Over the throttle; Retry-After says how many seconds to wait."),
+            503: OpenApiResponse(ERROR, description="The job store cannot be reached (a restart, a failover); "
+                                                    "nothing was done. Retry-After says when to try again."),
         }
         listing = self.method == "GET" and self._is_list_view()
         if self.method in ("POST", "PUT", "PATCH") or listing:
@@ -150,7 +152,7 @@ class ApiSchema(AutoSchema):
         return [
             *super().get_override_parameters(),
             OpenApiParameter(
-                "Retry-After", OpenApiTypes.INT, OpenApiParameter.HEADER, response=[429],
+                "Retry-After", OpenApiTypes.INT, OpenApiParameter.HEADER, response=[429, 503],
                 description="Seconds to wait before the next request.",
             ),
             OpenApiParameter(

@@ -217,6 +217,7 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "jobs.audit.AuditContextMiddleware",  # the caller's address, for audit entries
     "csp.middleware.CSPMiddleware",  # Content-Security-Policy (below)
+    "scheduler_project.middleware.StoreUnavailableMiddleware",  # 503, not 500, while the store is down
     "axes.middleware.AxesMiddleware",  # last: answers a locked-out login attempt
 ]
 
