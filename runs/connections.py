@@ -39,7 +39,7 @@ class Origin:
 
 
 _tls_lock = threading.Lock()
-_tls_held: dict[str, ssl.SSLContext] = {}  # by SCHEDULER_TLS_CA_FILE: the process's one verifying context
+_tls_held: tuple[str, ssl.SSLContext] | None = None  # (SCHEDULER_TLS_CA_FILE, the process's one verifying context)
 
 
 def _tls_context() -> ssl.SSLContext:
@@ -47,16 +47,15 @@ def _tls_context() -> ssl.SSLContext:
     context is safe to share; urllib3 sets the same verify mode on it every time). A
     context holds its own copy of the CA bundle, 785 KiB of resident memory measured
     here: one a thread, a worker child's 200 call threads would hold 157 MB of them."""
+    global _tls_held
     extra = settings.SCHEDULER_TLS_CA_FILE or ""
     with _tls_lock:
-        context = _tls_held.get(extra)
-        if context is None:
+        if _tls_held is None or _tls_held[0] != extra:  # none yet, or a changed CA file (tests, a reload)
             context = ssl.create_default_context(cafile=certifi.where())
             if extra:  # an internal CA, trusted besides certifi's
                 context.load_verify_locations(cafile=extra)
-            _tls_held.clear()  # a changed CA file (tests, a reload): the old context goes
-            _tls_held[extra] = context
-        return context
+            _tls_held = (extra, context)
+        return _tls_held[1]
 
 
 class _Pinned(HTTPConnection):

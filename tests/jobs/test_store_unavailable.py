@@ -25,20 +25,21 @@ def store_away() -> Iterator[Any]:
         pytest.skip("the store that can be away is PostgreSQL")
     real = dict(connection.settings_dict)
 
+    def back() -> None:
+        connection.close()
+        connection.settings_dict.clear()
+        connection.settings_dict.update(real)
+
     class Away:
         def __enter__(self) -> None:
             connection.close()
             connection.settings_dict.update(HOST="127.0.0.1", PORT=str(free_port()))
 
         def __exit__(self, *exc: object) -> None:
-            connection.close()
-            connection.settings_dict.clear()
-            connection.settings_dict.update(real)
+            back()
 
     yield Away()
-    connection.close()
-    connection.settings_dict.clear()
-    connection.settings_dict.update(real)
+    back()
 
 
 def test_a_read_while_the_store_is_away_is_a_503_with_retry_after(service: Any, store_away: Any) -> None:
