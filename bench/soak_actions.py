@@ -296,6 +296,8 @@ class RunFacts:
     claims: list[tuple[datetime, int]]  # (at, fence)
     retries: list[datetime]  # `retry_scheduled` times
     ended: datetime | None = None  # its first terminal event
+    # A `skipped` row the overlap policy made: the run that was in flight (its public id).
+    overlapped_by: str | None = None
 
 
 def run_facts(run: Any, events: list[tuple[datetime, str, dict[str, Any]]], cutoff: datetime,
@@ -317,6 +319,9 @@ def run_facts(run: Any, events: list[tuple[datetime, str, dict[str, Any]]], cuto
         claims=[(at, d.get("fence", 0)) for at, t, d in events if t == "claimed"],
         retries=[at for at, t, _ in events if t == "retry_scheduled"],
         ended=next((at for at, t, _ in events if t in ("succeeded", "dead", "skipped", "cancelled")), None),
+        overlapped_by=next((str(d.get("in_flight")) for _, t, d in events
+                            if t == "skipped" and d.get("reason") == "overlap" and d.get("in_flight")), None)
+        if run.status == "skipped" else None,
     )
 
 
@@ -354,8 +359,9 @@ def judge(histories: dict[int, History], runs: list[RunFacts], cutoff: datetime,
             by_time[(run.job_id, run.scheduled_for)] = run
     missed: list[str] = []
     excuses: list[str] = []  # what a user action excused, for reading the report
-    tally = {"due_times": 0, "due_times_started": 0, "skipped_after_pause": 0, "excused_by_user_action": 0,
-             "paused_at_end": 0, "extra_runs_due": 0, "extra_runs_started": 0}
+    tally = {"due_times": 0, "due_times_started": 0, "skipped_after_pause": 0, "skipped_while_in_flight": 0,
+             "excused_by_user_action": 0, "paused_at_end": 0, "extra_runs_due": 0, "extra_runs_started": 0}
+    by_public_id = {run.public_id: run for run in runs}
 
     normal: dict[int, list[RunFacts]] = {}
     for run in runs:
@@ -366,6 +372,15 @@ def judge(histories: dict[int, History], runs: list[RunFacts], cutoff: datetime,
         """The job's run before t was still open at t: its next run (t's) comes when it
         ends, so no row for t is no fault yet."""
         return any(r.scheduled_for < t and (r.ended is None or r.ended > t) for r in normal.get(job_id, []))
+
+    def in_flight_at(run: RunFacts, t: datetime) -> RunFacts | None:
+        """The job's run the overlap policy skipped `run` for, if it really was in
+        flight (from its first claim to its outcome) when t passed; else None."""
+        flight = by_public_id.get(run.overlapped_by or "")
+        if flight is None or flight.job_id != run.job_id or not flight.claims:
+            return None
+        claimed = min(at for at, _ in flight.claims)
+        return flight if claimed <= t and (flight.ended is None or flight.ended >= t) else None
 
     def excused(h: History, run: RunFacts | None, due_by: datetime, t: datetime | None = None) -> bool:
         """A user action ended or held this run before it was owed a start. A time with no
@@ -402,6 +417,12 @@ def judge(histories: dict[int, History], runs: list[RunFacts], cutoff: datetime,
                     and run.skipped_at is not None and run.skipped_at > due_by + grace:
                 tally["skipped_after_pause"] += 1
                 continue
+            # The overlap policy `skip` (the default): a time that passed while the job's
+            # previous run was in flight gets a `skipped` row, checked against that run's
+            # own claim and outcome.
+            if run is not None and run.status == "skipped" and run.overlapped_by and in_flight_at(run, t):
+                tally["skipped_while_in_flight"] += 1
+                continue
             if excused(h, run, due_by, t):
                 tally["excused_by_user_action"] += 1
                 excuses.append(f"job_{h.job_id} {_timing_text(timing)} at {t:%H:%M:%S}: "
@@ -411,6 +432,8 @@ def judge(histories: dict[int, History], runs: list[RunFacts], cutoff: datetime,
                 f"skipped (misfire) at {run.skipped_at:%H:%M:%S}, inside its window plus the grace"
                 if run.skipped_by_misfire and after_pause and run.skipped_at is not None else
                 "skipped (misfire)" if run.skipped_by_misfire else
+                f"skipped (overlap) for {run.overlapped_by}, which was not in flight at that time"
+                if run.overlapped_by else
                 f"cancelled at {run.cancelled[0]:%H:%M:%S} ({run.cancelled[1]})" if run.cancelled else
                 f"never started ({run.status}{', held' if run.held else ''})")
             where = f" ({run.public_id}{', backfill' if run.is_backfill else ''})" if run is not None else ""

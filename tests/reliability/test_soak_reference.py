@@ -128,3 +128,25 @@ def test_a_time_with_no_row_is_missed_even_if_the_job_is_deleted_just_after_unle
     in_flight = [row(at(1)), row(at(2), status="running", claims=[at(2, 1)])]  # still running at 10:03
     found = judge({1: h}, in_flight, cutoff=at(9), grace_s=GRACE)
     assert found["missed"] == [] and found["excused_by_user_action"] == 1
+
+
+def test_a_time_the_overlap_policy_skipped_is_accepted_only_while_the_run_before_was_in_flight() -> None:
+    h = history(cron(T0, window=20))
+    # 10:01's run was claimed at 10:01:15 and ended at 10:02:05 (retries): 10:02 passed in flight.
+    long = row(at(1), claims=[at(1, 15), at(1, 40)], ended=at(2, 5))
+    skipped = row(at(2), status="skipped", claims=[], skipped_at=at(2, 5), overlapped_by="run_1")
+    found = judge({1: h}, [long, skipped, row(at(3))], cutoff=at(4), grace_s=GRACE)
+    assert found["skipped_while_in_flight"] == 1 and found["missed"] == []
+
+
+def test_a_time_skipped_for_a_run_that_was_not_in_flight_is_missed() -> None:
+    h = history(cron(T0))
+    # The run named in flight had ended at 10:01:02, before 10:02 came: the skip was wrong.
+    skipped = row(at(2), status="skipped", claims=[], skipped_at=at(2, 1), overlapped_by="run_1")
+    found = judge({1: h}, [row(at(1)), skipped, row(at(3))], cutoff=at(4), grace_s=GRACE)
+    assert found["skipped_while_in_flight"] == 0
+    assert len(found["missed"]) == 1 and "10:02:00" in found["missed"][0] and "not in flight" in found["missed"][0]
+    # A run claimed only after the time passed was not in flight at it either.
+    late = row(at(1), claims=[at(2, 10)], ended=at(2, 30))
+    found = judge({1: h}, [late, skipped, row(at(3))], cutoff=at(4), grace_s=GRACE)
+    assert [m.split(" at ")[1][:8] for m in found["missed"]] == ["10:02:00"]
