@@ -61,7 +61,10 @@ export ZOOKEEPER_HOSTS=127.0.0.1:$ZK_PORT
 export ZK_SCRIPT="$ROOT/scripts/zookeeper.sh" ZK_PORT
 export PYTHONDONTWRITEBYTECODE=1
 log "pytest: production layout (PostgreSQL, Redis, ZooKeeper)"
-.venv/bin/pytest "$@"
+# The whole suite says where its time goes: the 30 slowest tests, at the end of the log.
+durations=()
+if [ $# -eq 0 ]; then durations=(--durations=30); fi
+.venv/bin/pytest "${durations[@]}" "$@"
 
 # 6. The embedded defaults: no DATABASE_URL, broker or coordinator settings.
 embedded_dir=$(mktemp -d /tmp/scheduler-embedded-XXXXXX)
