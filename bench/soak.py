@@ -1282,7 +1282,7 @@ def table(report: dict[str, Any], args: argparse.Namespace) -> str:
         ("  started", report["reference"]["due_times_started"]),
         ("  skipped on resume (misfire policy)", report["reference"]["skipped_after_pause"]),
         ("  skipped: the job's run before was in flight (overlap policy skip)",
-         report["reference"].get("skipped_while_in_flight", 0)),
+         report["reference"]["skipped_while_in_flight"]),
         ("  ended or held by a user action in time", report["reference"]["excused_by_user_action"]),
         ("  fell while paused, never resumed (not due)", report["reference"]["paused_at_end"]),
         ("extra runs due (backfill, run now) / started",

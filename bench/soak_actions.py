@@ -373,14 +373,14 @@ def judge(histories: dict[int, History], runs: list[RunFacts], cutoff: datetime,
         ends, so no row for t is no fault yet."""
         return any(r.scheduled_for < t and (r.ended is None or r.ended > t) for r in normal.get(job_id, []))
 
-    def in_flight_at(run: RunFacts, t: datetime) -> RunFacts | None:
-        """The job's run the overlap policy skipped `run` for, if it really was in
-        flight (from its first claim to its outcome) when t passed; else None."""
+    def in_flight_at(run: RunFacts, t: datetime) -> bool:
+        """Whether the job's run the overlap policy skipped `run` for really was in
+        flight (from its first claim to its outcome) when t passed."""
         flight = by_public_id.get(run.overlapped_by or "")
         if flight is None or flight.job_id != run.job_id or not flight.claims:
-            return None
+            return False
         claimed = min(at for at, _ in flight.claims)
-        return flight if claimed <= t and (flight.ended is None or flight.ended >= t) else None
+        return claimed <= t and (flight.ended is None or flight.ended >= t)
 
     def excused(h: History, run: RunFacts | None, due_by: datetime, t: datetime | None = None) -> bool:
         """A user action ended or held this run before it was owed a start. A time with no
@@ -420,7 +420,7 @@ def judge(histories: dict[int, History], runs: list[RunFacts], cutoff: datetime,
             # The overlap policy `skip` (the default): a time that passed while the job's
             # previous run was in flight gets a `skipped` row, checked against that run's
             # own claim and outcome.
-            if run is not None and run.status == "skipped" and run.overlapped_by and in_flight_at(run, t):
+            if run is not None and run.overlapped_by and in_flight_at(run, t):  # set on skipped rows only
                 tally["skipped_while_in_flight"] += 1
                 continue
             if excused(h, run, due_by, t):
