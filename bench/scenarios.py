@@ -71,6 +71,24 @@ def _statements(stats_dir: Path) -> int:
     return total
 
 
+def _statements_by_sql(stats_dir: Path) -> dict[str, int]:
+    """SCHEDULER_COUNT_STATEMENTS_BY_SQL=1 (scheduler_project/statement_counter.py): the
+    statements by process kind and their first words, summed over the processes."""
+    total: dict[str, int] = {}
+    for path in stats_dir.glob("*.json"):
+        try:
+            for key, n in json.loads(path.read_text()).get("by_sql", {}).items():
+                total[key] = total.get(key, 0) + n
+        except ValueError:
+            continue
+    return total
+
+
+def _by_sql_per_run(before: dict[str, int], after: dict[str, int], runs: int) -> dict[str, float]:
+    diff = {k: (n - before.get(k, 0)) / max(1, runs) for k, n in after.items()}
+    return {k: round(v, 4) for k, v in sorted(diff.items(), key=lambda kv: -kv[1]) if v > 0}
+
+
 def _due_at_by_run(run_ids: list[int]) -> dict[int, tuple[datetime, int]]:
     """(due_at, attempt) of each run, read once every call is in."""
     from runs.models import Run
@@ -171,9 +189,9 @@ def sustained(args: argparse.Namespace) -> int:
         end = first + timedelta(minutes=args.minutes)
         _analyze_once_flowing(first + timedelta(seconds=3))
         _sleep_until(first)
-        cpu0, stmts0 = layout.cpu_by_kind(), _statements(stats_dir)
+        cpu0, stmts0, by_sql0 = layout.cpu_by_kind(), _statements(stats_dir), _statements_by_sql(stats_dir)
         _sleep_until(end + timedelta(seconds=2))
-        cpu1, stmts1 = layout.cpu_by_kind(), _statements(stats_dir)
+        cpu1, stmts1, by_sql1 = layout.cpu_by_kind(), _statements(stats_dir), _statements_by_sql(stats_dir)
         drain_deadline = time.time() + 60
         _stop_processes_after_drain(layout, drain_deadline, lambda: _count_open_due(end))
         _stop_target(target)
@@ -207,6 +225,10 @@ def sustained(args: argparse.Namespace) -> int:
             "statements_per_run": round((stmts1 - stmts0) / max(1, started_in_time), 2),
             "layout": _layout_summary(args),
         }
+        if by_sql1:
+            summary["statements_per_run_by_sql"] = _by_sql_per_run(by_sql0, by_sql1, started_in_time)
+            for key, n in list(summary["statements_per_run_by_sql"].items())[:30]:
+                print(f"{n:8.4f}  {key}")
         print_table("sustained", [(k, v) for k, v in summary.items() if not isinstance(v, dict) and k != "lag_measured"])
         print("cpu seconds per run:", summary["cpu_s_per_run"])
         print("written", write_result(args.out_name, summary))

@@ -18,6 +18,7 @@ clock: the worker's `now` comes from runs.claims.store_now, as for run leases.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -68,9 +69,17 @@ def admit(*, host: str, holder: str, now: datetime, probe_lease: timedelta) -> A
 
 def not_closed(hosts: list[str]) -> set[str]:
     """Of these hosts, those whose breaker is open or half-open: one read per batch."""
+    return {host for host, (state, _) in counting(hosts).items() if state != B.CLOSED}
+
+
+def counting(hosts: list[str]) -> dict[str, tuple[str, int]]:
+    """Of these hosts, those whose breaker is open or half-open or counts failures:
+    (state, failures) each, in one read. A host not in the answer has nothing for a
+    success to reset."""
     if not hosts:
-        return set()
-    return set(TargetBreaker.objects.filter(host__in=hosts).exclude(state=B.CLOSED).values_list("host", flat=True))
+        return {}
+    rows = TargetBreaker.objects.filter(Q(host__in=hosts), ~Q(state=B.CLOSED) | Q(failures__gt=0))
+    return {host: (state, failures) for host, state, failures in rows.values_list("host", "state", "failures")}
 
 
 def release_probe(*, host: str, holder: str) -> None:
@@ -88,14 +97,20 @@ def record(*, host: str, holder: str, trouble: bool, error: str, now: datetime) 
         _success(host, holder, now)
 
 
-def record_many(*, host: str, found: list[tuple[str, bool, str]], now: datetime) -> None:
+def record_many(*, host: str, found: list[tuple[str, bool, str]], now: datetime | Callable[[], datetime],
+                nothing_to_reset: bool = False) -> None:
     """A batch's calls to one host, in order: (holder, trouble, error) each.
-    All fine (the common case) costs what one success does."""
+    All fine (the common case) costs what one success does, and nothing when the
+    batch's own read of the breakers (counting) found nothing for this host
+    (`nothing_to_reset`): a breaker closed with no failures counted. `now` may be a
+    function, called only when something is written."""
     if not found:
         return
     if not any(trouble for _, trouble, _ in found):
-        _success(host, found[-1][0], now)
+        if not nothing_to_reset:
+            _success(host, found[-1][0], now() if callable(now) else now)
         return
+    now = now() if callable(now) else now
     for holder, trouble, error in found:
         record(host=host, holder=holder, trouble=trouble, error=error, now=now)
 

@@ -188,18 +188,38 @@ def claim_many(*, run_ids: list[int], worker: str, lease: timedelta, sent_at: da
     simply not returned. `sent_at`: when the message the runs came in was published
     (the scanner's clock, in the message); a claimed run's `queued_at` becomes it,
     so a running run says which copy of its message started it (claimed_up_to)."""
+    return claim_many_clocked(run_ids=run_ids, worker=worker, lease=lease, sent_at=sent_at)[0]
+
+
+def claim_many_clocked(
+    *, run_ids: list[int], worker: str, lease: timedelta, sent_at: datetime | None = None
+) -> tuple[list[Claim], datetime]:
+    """claim_many, and the store's clock that its first statement checked due times
+    against (read in that statement on PostgreSQL, so a wave of claims costs one
+    statement): a run it did not take that is due after that clock may only have been
+    early."""
     if not run_ids:
-        return []
-    taken = _claim_ids(run_ids, worker, lease, sent_at)
+        return [], store_now()
+    taken, clock = _claim_ids(run_ids, worker, lease, sent_at)
     left = set(run_ids) - {c.run_id for c in taken}
     if left:
         again = _settle_claimed(sorted(left))
         if again:
-            taken += _claim_ids(again, worker, lease, sent_at)
-    return taken
+            taken += _claim_ids(again, worker, lease, sent_at)[0]
+    return taken, clock
 
 
-def _claim_ids(run_ids: list[int], worker: str, lease: timedelta, sent_at: datetime | None = None) -> list[Claim]:
+# The claim wrapped so that it answers one row even when it takes nothing: its clock
+# ({now}, the same parameters as the claim's own), with the claimed rows beside it.
+CLOCKED_CLAIM_SQL = """
+WITH c AS ({claim})
+SELECT c.id, c.fence, c.attempt, c.started_at, c.on_row_claimed_at, clock.now
+  FROM (SELECT {now} AS now) AS clock LEFT JOIN c ON TRUE
+"""
+
+
+def _claim_ids(run_ids: list[int], worker: str, lease: timedelta, sent_at: datetime | None = None
+               ) -> tuple[list[Claim], datetime]:
     template = CLAIM_SQL_WITHOUT_LEASE_CHECK if _fence_checks_disabled() else CLAIM_SQL
     # Without a send time queued_at stays; with one, it is the message's word: never
     # later than the store's clock.
@@ -220,15 +240,29 @@ def _claim_ids(run_ids: list[int], worker: str, lease: timedelta, sent_at: datet
         ids = list(run_ids)
     template = template.replace("RETURNING fence, attempt", "RETURNING id, fence, attempt")
     assert "RETURNING id, fence, attempt, started_at" in template
-    sql, until, now = _claim_sql(template, lease)
-    with connection.cursor() as cursor:
-        cursor.execute(sql, [worker, *until, *now, *now, worker, *sent, *ids, False, *now, *now])
-        rows = cursor.fetchall()
+    if connection.vendor == "postgresql":
+        # One statement: the claim and the clock it checked due times against.
+        template = CLOCKED_CLAIM_SQL.format(claim=template.strip(), now="{now}")
+        sql, until, now = _claim_sql(template, lease)
+        params = [worker, *until, *now, *now, worker, *sent, *ids, False, *now, *now, *now]  # the clock's last
+        with connection.cursor() as cursor:
+            cursor.execute(sql, params)
+            rows = cursor.fetchall()
+        clock = _as_datetime(rows[0][5])
+        rows = [r for r in rows if r[0] is not None]
+    else:
+        # The embedded SQLite file: the store's clock is this process's (no statement).
+        clock = store_now()
+        sql, until, now = _claim_sql(template, lease)
+        with connection.cursor() as cursor:
+            cursor.execute(sql, [worker, *until, *now, *now, worker, *sent, *ids, False, *now, *now])
+            rows = cursor.fetchall()
+    assert clock is not None
     return [
         Claim(run_id=int(r[0]), fence=int(r[1]), attempt=int(r[2]), worker=worker, started_at=_as_datetime(r[3]),
               claimed_at=_as_datetime(r[4]))
         for r in rows
-    ]
+    ], clock
 
 
 def _settle_claimed(run_ids: list[int]) -> list[int]:

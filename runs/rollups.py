@@ -3,7 +3,10 @@
 `events.record` / `events.record_many` hand each batch's events here; this turns
 them into a few counter rows (RunRollup) and adds them with ONE upsert per batch,
 inside the batch's transaction, so the counts commit (or roll back) with the rows
-they count. The dashboard and `/metrics` then read these rows, never a count
+they count. One exception: a worker's claims of one message, made in waves as its
+runs come due, are counted together once the last wave has started, in one upsert
+of their own (runs.services._Batch.write_started); a worker that dies in between
+loses those counts. The dashboard and `/metrics` then read these rows, never a count
 over `runs` or `run_events`.
 
 A rollup is a figure, not a fact the scheduler acts on: the upsert runs in a
@@ -141,23 +144,42 @@ def _host(run: Run | None) -> str:
 
 
 def add(found: Mapping[tuple[Any, ...], Tally]) -> None:
-    """One upsert for the batch, in a savepoint; an error is logged, never raised."""
+    """One upsert for the batch, in a savepoint of the caller's transaction; outside
+    one, the upsert alone (one statement, its own transaction). An error is logged,
+    never raised."""
     if not found:
         return
     try:
-        with transaction.atomic():
+        if connection.in_atomic_block:
+            with transaction.atomic():
+                _upsert(found)
+        else:
             _upsert(found)
     except Exception:  # noqa: BLE001 - a counter must never fail the batch it counts
         logger.warning("run rollups: %d counter rows not written", len(found), exc_info=True)
 
 
-def note(rows: Iterable[Any], runs: Mapping[int, Run] | None = None) -> None:
+def merge(into: dict[tuple[Any, ...], Tally], found: Mapping[tuple[Any, ...], Tally]) -> None:
+    """Add `found`'s counters to `into`'s (a batch's claims, written together: add)."""
+    for key, more in found.items():
+        mine = into.setdefault(key, Tally())
+        mine.n += more.n
+        mine.lag_n += more.lag_n
+        mine.lag_sum += more.lag_sum
+        mine.buckets = [a + b for a, b in zip(mine.buckets, more.buckets)]
+
+
+def tally_quietly(rows: Iterable[Any], runs: Mapping[int, Run] | None = None) -> dict[tuple[Any, ...], Tally]:
+    """tally, with an error logged and nothing counted (as note does)."""
     try:
-        found = tally(rows, runs)
-    except Exception:  # noqa: BLE001 - as above
+        return tally(rows, runs)
+    except Exception:  # noqa: BLE001 - a counter must never fail the batch it counts
         logger.warning("run rollups: could not count a batch of events", exc_info=True)
-        return
-    add(found)
+        return {}
+
+
+def note(rows: Iterable[Any], runs: Mapping[int, Run] | None = None) -> None:
+    add(tally_quietly(rows, runs))
 
 
 def _upsert(found: Mapping[tuple[Any, ...], Tally]) -> None:

@@ -12,7 +12,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
@@ -26,7 +26,7 @@ from jobs import schedule
 from jobs.models import Job
 from jobs.public_ids import format_id
 from jobs.validators import check_resolved_target, target_key
-from runs import breakers, bulk, bulkhead, claims, delivery, events, notices, publishing
+from runs import breakers, bulk, bulkhead, claims, delivery, events, notices, publishing, rollups
 from runs.claims import Claim
 from runs.delivery import CallResult
 from runs.models import ON_ROW_ANSWERED, ON_ROW_SCHEDULED, ON_ROW_SUCCEEDED, JOBS_OPEN_RUN, Run
@@ -319,11 +319,10 @@ def _open_row(job: Job, when: datetime, held: bool, due_now: datetime | None = N
     due_at = schedule.spread_due_at(job.pk, when, timedelta(seconds=job.window_seconds))
     if due_now is not None:
         due_at = max(due_at, due_now)
-    run = Run(job=job, scheduled_for=when, due_at=due_at, partition=job.partition, held=held,
-              on_row_made_by=made_by)
-    if now is not None:
-        run.created_at, run.on_row, run.on_row_due_at = now, ON_ROW_SCHEDULED, due_at
-    return run
+    # With `now`, created_at is given, so its default (a clock read) is not taken and then overwritten.
+    on_row = {} if now is None else {"created_at": now, "on_row": ON_ROW_SCHEDULED, "on_row_due_at": due_at}
+    return Run(job=job, scheduled_for=when, due_at=due_at, partition=job.partition, held=held,
+               on_row_made_by=made_by, **on_row)
 
 
 # ------------------------------------------------------------------ overlap
@@ -607,6 +606,36 @@ CLAIM_WAVE = 0.01
 # process's estimate of that clock was off) is tried again at the due time, this
 # many times at most; then the run goes back to `scheduled`, for the scanner.
 NOT_DUE_TRIES = 3
+# A batch reads its hosts' breakers once for all its waves (one statement, not one a
+# wave), and again for a wave when that read is older than this, or when a host of
+# the wave was not closed (a half-open breaker's probe is decided on a fresh read).
+# So a breaker another worker opens is seen by a batch's later waves this late at most.
+BREAKER_READ_FOR = 0.2
+
+
+@dataclass
+class _BreakerView:
+    """A batch's read of its hosts' breakers (breakers.counting): those open, half-open
+    or counting failures; a host not in it had nothing to reset when it was read."""
+
+    seen: dict[str, tuple[str, int]] = field(default_factory=dict)
+    hosts: set[str] = field(default_factory=set)  # the hosts the read covered
+    read_at: float = float("-inf")  # time.monotonic()
+
+    def not_closed(self, hosts: list[str], all_hosts: Iterable[str] = ()) -> set[str]:
+        """Of `hosts`, those not closed; read again first unless the last read covers
+        them, is fresh, and found them all closed. `all_hosts`: the batch's, read together."""
+        fresh = time.monotonic() - self.read_at <= BREAKER_READ_FOR
+        if not (fresh and self.hosts.issuperset(hosts) and not any(self._open(h) for h in hosts)):
+            wanted = sorted(set(hosts) | set(all_hosts))
+            self.seen, self.hosts, self.read_at = breakers.counting(wanted), set(wanted), time.monotonic()
+        return {host for host in hosts if self._open(host)}
+
+    def _open(self, host: str) -> bool:
+        return host in self.seen and self.seen[host][0] != breakers.B.CLOSED
+
+    def nothing_to_reset(self, host: str) -> bool:
+        return host in self.hosts and host not in self.seen
 
 
 def longest_wait() -> float:
@@ -663,9 +692,20 @@ class _Batch:
     offset: float  # seconds the store's clock is ahead of this process's
     sent_at: datetime | None = None  # when the message was published (claims.claim_many)
     gates: dict[int, Gate] = field(default_factory=dict)
+    breakers: _BreakerView = field(default_factory=_BreakerView)
+    hosts: set[str] = field(default_factory=set)  # of every run of the batch: one breaker read for all
     calls: list[Call] = field(default_factory=list)
     in_flight: list[tuple[Call, Future[CallResult]]] = field(default_factory=list)
     heartbeat: Heartbeat | None = None
+    # The waves' claims counted (runs.rollups), written once their last wave has started
+    # (write_started): one statement a batch, not a savepoint and an upsert a wave.
+    started: dict[tuple[object, ...], rollups.Tally] = field(default_factory=dict)
+
+    def write_started(self) -> None:
+        """The batch's claim counts, in one statement of their own (a worker that dies
+        before it loses them: a figure, never a fact the scheduler acts on)."""
+        found, self.started = self.started, {}
+        rollups.add(found)
 
     def store_now(self) -> datetime:
         return datetime.fromtimestamp(time.time() + self.offset, tz=dt_timezone.utc)
@@ -673,6 +713,7 @@ class _Batch:
     def run(self, runs: list[Run], now: datetime) -> None:
         """Wave by wave, in due order, each once it is due by the store's clock."""
         waiting = sorted(runs, key=lambda r: r.due_at)
+        self.hosts = {target_key(run.job) for run in runs}
         tries: dict[int, int] = {}
         given_up: list[Run] = []
         for _ in range(len(runs) * (NOT_DUE_TRIES + 1)):  # a turn takes a wave; a run comes back a few times at most
@@ -706,11 +747,12 @@ class _Batch:
     def start(self, wave: list[Run], now: datetime, next_due: datetime | None) -> list[Run]:
         """Admit, claim and set calling one wave; returns its runs the claim found not
         due yet. The calls go on while the batch waits for its next wave (`next_due`)."""
-        gates = _admit(wave, self.worker, self.lease, now, self.outcomes)
+        gates = _admit(wave, self.worker, self.lease, now, self.outcomes,
+                       lambda hosts: self.breakers.not_closed(hosts, self.hosts))
         admitted = [run for run in wave if run.pk in gates]
         if not admitted:
             return []
-        taken, claimed_at = _claim_wave(admitted, self.worker, self.lease, self.sent_at)
+        taken, claimed_at = _claim_wave(admitted, self.worker, self.lease, self.sent_at, self.started)
         by_id = {c.run_id: c for c in taken}
         early, calls = [], []
         for run in admitted:
@@ -744,6 +786,7 @@ class _Batch:
         """The calls in flight to their end, the breakers told, the outcomes recorded
         (one transaction for the batch); the slots released whatever happens."""
         try:
+            self.write_started()
             if self.heartbeat is not None:
                 self.heartbeat.seal()
             _finish_calls(self.in_flight, {call.run.pk: self.gates[call.run.pk].host for call, _ in self.in_flight})
@@ -755,7 +798,7 @@ class _Batch:
             failed_early = [c for c in calls if c.request is None and c.message is None and c.result is not None]
             for call in to_call + failed_early:
                 self.gates[call.run.pk].called = True
-            _tell_breakers(to_call + failed_early, self.gates)
+            _tell_breakers(to_call + failed_early, self.gates, self.breakers)
             self.outcomes.update(run_record_outcomes(calls))
         finally:
             if self.heartbeat is not None:
@@ -773,12 +816,14 @@ def _next_wave(waiting: list[Run], now: datetime) -> tuple[list[Run], list[Run]]
     return waiting[:count], waiting[count:]
 
 
-def _admit(runs: list[Run], worker: str, lease: timedelta, now: datetime, outcomes: dict[int, str]) -> dict[int, Gate]:
-    """The breaker, then the bulkhead, per target host. Returns the runs let through."""
+def _admit(runs: list[Run], worker: str, lease: timedelta, now: datetime, outcomes: dict[int, str],
+           not_closed_of: Callable[[list[str]], set[str]] = breakers.not_closed) -> dict[int, Gate]:
+    """The breaker, then the bulkhead, per target host. Returns the runs let through.
+    `not_closed_of`: which of some hosts' breakers are open or half-open (the batch's view)."""
     by_host: dict[str, list[Run]] = {}
     for run in runs:
         by_host.setdefault(target_key(run.job), []).append(run)
-    not_closed = breakers.not_closed(list(by_host))  # one read: usually nothing
+    not_closed = not_closed_of(list(by_host))  # usually nothing
     gates: dict[int, Gate] = {}
     for host, group in by_host.items():
         probes: set[int] = set()
@@ -867,24 +912,30 @@ def run_claim_many(*, runs: list[Run], worker: str, lease: timedelta) -> list[Cl
     return _claim_wave(runs, worker, lease)[0]
 
 
-def _claim_wave(runs: list[Run], worker: str, lease: timedelta, sent_at: datetime | None = None
-                ) -> tuple[list[Claim], datetime]:
-    """run_claim_many, and the store's clock just before the claim: a run due after
-    that which was not taken may only have been early (the claim's own clock is later)."""
+def _claim_wave(runs: list[Run], worker: str, lease: timedelta, sent_at: datetime | None = None,
+                counts: dict[tuple[object, ...], rollups.Tally] | None = None) -> tuple[list[Claim], datetime]:
+    """run_claim_many, and the store's clock the claim checked due times against (read
+    in the claim's own statement): a run due after that which was not taken may only
+    have been early. `counts`: where the claims' rollups (runs.rollups) are added for
+    the caller to write, instead of with the claim (_Batch: once for all its waves)."""
     with transaction.atomic():
-        now = claims.store_now()
         # Overlap allow: those jobs are locked before any run row (the order an edit takes).
         allow_jobs = jobs_lock(r.job_id for r in runs if _may_detach(r, r.job))
-        taken = claims.claim_many(run_ids=[r.pk for r in runs], worker=worker, lease=lease, sent_at=sent_at)
+        taken, now = claims.claim_many_clocked(run_ids=[r.pk for r in runs], worker=worker, lease=lease,
+                                               sent_at=sent_at)
         runs_by_id = {r.pk: r for r in runs}
-        # The claim's own clock is at least the due time (it checks) and at least `now`
-        # (read just before it): the event says no earlier than either.
+        # The claim's clock is at least the due time of every run it took (it checks):
+        # the event says no earlier than either.
         # On the row (claims.CLAIM_SQL): counted here, not written.
-        events.record_many(
-            (events.on_row(events.event(c.run_id, "claimed", max(now, runs_by_id[c.run_id].due_at), fence=c.fence,
-                                        worker=worker, attempt=c.attempt)) for c in taken),
-            runs=runs_by_id,  # as read before the claim: a first start has no started_at yet
-        )
+        claimed = [
+            events.on_row(events.event(c.run_id, "claimed", max(now, runs_by_id[c.run_id].due_at), fence=c.fence,
+                                       worker=worker, attempt=c.attempt)) for c in taken
+        ]
+        # `runs` as read before the claim: a first start has no started_at yet.
+        if counts is None:
+            events.record_many(claimed, runs=runs_by_id)
+        else:
+            rollups.merge(counts, rollups.tally_quietly(claimed, runs_by_id))
         _detach_claimed([(runs_by_id[c.run_id], c) for c in taken], allow_jobs, now)
     return taken, now
 
@@ -1106,18 +1157,27 @@ def _note_duration(host: str, result: CallResult) -> None:
     _recent_ms[host] = took if before is None else 0.8 * before + 0.2 * took
 
 
-def _tell_breakers(calls: list[Call], gates: dict[int, Gate]) -> None:
-    """Each host's calls, in order, on its breaker: a write only when something changes."""
+def _tell_breakers(calls: list[Call], gates: dict[int, Gate], view: _BreakerView | None = None) -> None:
+    """Each host's calls, in order, on its breaker: a write only when something changes,
+    and no statement at all when every call was fine and the batch's read found nothing
+    to reset for the host. (A failure another worker counted after that read is then
+    not reset by these successes: the next failure opens the breaker one call sooner.)"""
     by_host: dict[str, list[Call]] = {}
     for call in calls:
         by_host.setdefault(gates[call.run.pk].host, []).append(call)
-    now = claims.store_now()
+    clock: list[datetime] = []
+
+    def now() -> datetime:  # read once, and only if something is written
+        if not clock:
+            clock.append(claims.store_now())
+        return clock[0]
+
     for host, group in by_host.items():
         try:
             breakers.record_many(
                 host=host,
                 found=[(gates[c.run.pk].holder, c.result.retryable, c.result.describe()) for c in group if c.result],
-                now=now,
+                now=now, nothing_to_reset=view is not None and view.nothing_to_reset(host),
             )
         except Exception:  # the breaker is advice; the outcomes must still be recorded
             logger.warning("could not record the calls' results on %s's breaker", host, exc_info=True)

@@ -1,11 +1,14 @@
 """Counts database statements per process, for the benches (off unless
 SCHEDULER_COUNT_STATEMENTS_DIR is set). Each process writes `<dir>/<pid>.json`
-about once a second: {"statements": N}.
+about once a second: {"statements": N}. With SCHEDULER_COUNT_STATEMENTS_BY_SQL set
+too, also {"by_sql": {"<process kind>: <the statement's first words>": N}}, to see
+which statements a bench's figure is made of.
 """
 from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -14,16 +17,27 @@ from typing import Any, Callable
 _lock = threading.Lock()
 _count = 0
 _flusher_pid = 0
+_by_sql: dict[str, int] = {}
 
 
 def _counter(execute: Callable[..., Any], sql: str, params: Any, many: bool, context: Any) -> Any:
     global _count, _flusher_pid
     with _lock:
-        _count += 1
         if _flusher_pid != os.getpid():  # first statement in this process (prefork children too)
             _flusher_pid = os.getpid()
+            _count = 0  # a prefork child starts from its parent's count: its own file counts from 0
+            _by_sql.clear()
             threading.Thread(target=_flush_forever, daemon=True).start()
+        _count += 1
+        if os.environ.get("SCHEDULER_COUNT_STATEMENTS_BY_SQL"):
+            key = f"{_kind()}: {' '.join(sql.split())[:100]}"
+            _by_sql[key] = _by_sql.get(key, 0) + 1
     return execute(sql, params, many, context)
+
+
+def _kind() -> str:
+    args = " ".join(sys.argv)
+    return "scanner" if "scanner" in args else "worker" if "celery" in args else os.path.basename(sys.argv[0])
 
 
 def note() -> None:
@@ -35,7 +49,11 @@ def note() -> None:
 def _flush_forever() -> None:
     path = Path(os.environ["SCHEDULER_COUNT_STATEMENTS_DIR"]) / f"{os.getpid()}.json"
     while True:
-        path.write_text(json.dumps({"statements": _count}))
+        with _lock:
+            body: dict[str, Any] = {"statements": _count}
+            if _by_sql:
+                body["by_sql"] = dict(_by_sql)
+        path.write_text(json.dumps(body))
         time.sleep(1.0)
 
 

@@ -19,14 +19,16 @@ from unittest import mock
 
 import pytest
 import time_machine
-from django.db import transaction
+from django.db import connection, transaction
+from django.db.models import Sum
 from django.test import override_settings
+from django.test.utils import CaptureQueriesContext
 
 from jobs.models import Job
 from jobs.services import job_create, job_delete, job_pause
-from runs import claims
+from runs import claims, rollups
 from runs import services as run_services
-from runs.models import Run
+from runs.models import Run, RunRollup
 from runs.ops import target_pause
 from runs.services import run_execute, run_execute_many
 from scanners.scan import due_slice, run_messages, scan_once
@@ -293,3 +295,74 @@ def test_a_batch_claims_its_runs_in_waves_as_they_come_due(service: Any, target:
         run.refresh_from_db()
         [call] = target.calls(f"/r{i}")
         assert run.due_at <= run.started_at and run.due_at.timestamp() <= call.at
+
+
+def test_a_batch_of_waves_reads_the_breakers_once_and_counts_its_claims_in_one_write(
+    service: Any, target: LoopbackTarget, monkeypatch: Any
+) -> None:
+    """The statements a wave costs: its claim and nothing more. The batch reads its
+    hosts' breakers once, the claim reads the store's clock itself, the claims of
+    every wave are counted in one rollup write, and calls that all succeed to a host
+    with nothing counted on its breaker write nothing there."""
+    jobs = [job_for(service, target, f"/r{i}") for i in range(5)]
+    now = claims.store_now()
+    runs = [queued_ahead(job, ahead, now) for job, ahead in zip(jobs, [-1.0, -0.5, 0.2, 0.2, 0.4])]
+    # The waves span 0.4 s here; how old a read may get is the next test's.
+    monkeypatch.setattr(run_services, "BREAKER_READ_FOR", 5.0)
+    with counting_claims() as waves, CaptureQueriesContext(connection) as captured:
+        outcomes = run_execute_many(run_ids=[r.pk for r in runs], worker="w1")
+
+    assert set(outcomes.values()) == {"succeeded"} and len(waves) == 3
+    sql = [" ".join(q["sql"].split()) for q in captured.captured_queries]
+    assert sum('FROM "target_breakers"' in s for s in sql) == 1
+    assert not any(s.startswith('UPDATE "target_breakers"') for s in sql)
+    assert sum(s.startswith("WITH c AS (UPDATE runs") for s in sql) == 3  # the claims, clock and all
+    # One read for the batch's clock offset, one for its outcomes' time: none a wave.
+    assert sum(s == "SELECT clock_timestamp()" for s in sql) == 2
+    # The claims' counts in one upsert, the outcomes' in another.
+    assert sum(s.startswith("INSERT INTO run_rollups") for s in sql) == 2
+    started = RunRollup.objects.filter(minute=rollups.TOTAL_MINUTE, kind="started")
+    assert started.aggregate(n=Sum("n"), lag_n=Sum("lag_n")) == {"n": 5, "lag_n": 5}
+
+
+def test_a_claim_that_takes_nothing_still_says_its_clock() -> None:
+    job = make_job()
+    run = make_run(job, claims.store_now().replace(microsecond=0) + timedelta(days=1), status=S.QUEUED)
+    before = claims.store_now()
+    taken, clock = claims.claim_many_clocked(run_ids=[run.pk], worker="w1", lease=LEASE)
+    assert taken == [] and before <= clock <= claims.store_now()
+    Run.objects.filter(pk=run.pk).update(due_at=before)
+    [claim], clock = claims.claim_many_clocked(run_ids=[run.pk], worker="w1", lease=LEASE)
+    assert claim.run_id == run.pk and claim.claimed_at == clock
+
+
+def test_a_batchs_read_of_the_breakers_is_taken_again_when_old_or_when_a_host_is_not_closed(
+    monkeypatch: Any,
+) -> None:
+    from runs import breakers
+    from runs.models import TargetBreaker
+
+    B = TargetBreaker.State
+    TargetBreaker.objects.create(host="open.example:443", state=B.OPEN, failures=5)
+    TargetBreaker.objects.create(host="counting.example:443", state=B.CLOSED, failures=2)
+    clock = [100.0]
+    monkeypatch.setattr(run_services.time, "monotonic", lambda: clock[0])
+    view = run_services._BreakerView()
+    everyone = ["open.example:443", "counting.example:443", "fine.example:443"]
+
+    def reads(hosts: list[str]) -> tuple[set[str], int]:
+        with CaptureQueriesContext(connection) as captured:
+            found = view.not_closed(hosts, everyone)
+        return found, len(captured.captured_queries)
+
+    assert reads(["fine.example:443"]) == (set(), 1)  # the first read covers the batch's hosts
+    assert reads(["fine.example:443", "counting.example:443"]) == (set(), 0)
+    assert view.nothing_to_reset("fine.example:443") and not view.nothing_to_reset("counting.example:443")
+    assert reads(["open.example:443"]) == ({"open.example:443"}, 1)  # not closed: read each time
+    assert reads(["open.example:443"]) == ({"open.example:443"}, 1)
+    assert reads(["fine.example:443"]) == (set(), 0)
+    TargetBreaker.objects.create(host="fine.example:443", state=B.OPEN, failures=5)  # another worker's doing
+    assert reads(["fine.example:443"]) == (set(), 0)  # not seen while the read is fresh...
+    clock[0] += run_services.BREAKER_READ_FOR + 0.01
+    assert reads(["fine.example:443"]) == ({"fine.example:443"}, 1)  # ...and seen once it is old
+    assert breakers.not_closed(everyone) == {"open.example:443", "fine.example:443"}
