@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -18,6 +19,7 @@ _lock = threading.Lock()
 _count = 0
 _flusher_pid = 0
 _by_sql: dict[str, int] = {}
+_SAVEPOINT_NAME = re.compile(r'"s\d+_x\d+"')  # one name a savepoint: counted as one statement
 
 
 def _counter(execute: Callable[..., Any], sql: str, params: Any, many: bool, context: Any) -> Any:
@@ -30,7 +32,7 @@ def _counter(execute: Callable[..., Any], sql: str, params: Any, many: bool, con
             threading.Thread(target=_flush_forever, daemon=True).start()
         _count += 1
         if os.environ.get("SCHEDULER_COUNT_STATEMENTS_BY_SQL"):
-            key = f"{_kind()}: {' '.join(sql.split())[:100]}"
+            key = f"{_kind()}: {_SAVEPOINT_NAME.sub('<name>', ' '.join(sql.split())[:100])}"
             _by_sql[key] = _by_sql.get(key, 0) + 1
     return execute(sql, params, many, context)
 
@@ -53,7 +55,9 @@ def _flush_forever() -> None:
             body: dict[str, Any] = {"statements": _count}
             if _by_sql:
                 body["by_sql"] = dict(_by_sql)
-        path.write_text(json.dumps(body))
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(body))
+        tmp.replace(path)  # a reader never sees half a file
         time.sleep(1.0)
 
 
