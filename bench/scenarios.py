@@ -61,27 +61,30 @@ def _prepare(**django_env: str) -> None:
     harness.start_zookeeper()
 
 
-def _statements(stats_dir: Path) -> int:
-    total = 0
+def _counter_files(stats_dir: Path) -> list[dict[str, Any]]:
+    """Each process's statement counts (scheduler_project/statement_counter.py)."""
+    found = []
     for path in stats_dir.glob("*.json"):
         try:
-            total += json.loads(path.read_text())["statements"]
-        except (ValueError, KeyError):
-            continue
-    return total
-
-
-def _statements_by_sql(stats_dir: Path) -> dict[str, int]:
-    """SCHEDULER_COUNT_STATEMENTS_BY_SQL=1 (scheduler_project/statement_counter.py): the
-    statements by process kind and their first words, summed over the processes."""
-    total: dict[str, int] = {}
-    for path in stats_dir.glob("*.json"):
-        try:
-            for key, n in json.loads(path.read_text()).get("by_sql", {}).items():
-                total[key] = total.get(key, 0) + n
+            found.append(json.loads(path.read_text()))
         except ValueError:
             continue
-    return total
+    return found
+
+
+def _statements(stats_dir: Path) -> int:
+    return _statement_counts(stats_dir)[0]
+
+
+def _statement_counts(stats_dir: Path) -> tuple[int, dict[str, int]]:
+    """The statements of every process, and (SCHEDULER_COUNT_STATEMENTS_BY_SQL=1) the
+    same by process kind and the statements' first words, from one read of the files."""
+    total, by_sql = 0, {}  # type: int, dict[str, int]
+    for body in _counter_files(stats_dir):
+        total += int(body.get("statements", 0))
+        for key, n in body.get("by_sql", {}).items():
+            by_sql[key] = by_sql.get(key, 0) + n
+    return total, by_sql
 
 
 def _by_sql_per_run(before: dict[str, int], after: dict[str, int], runs: int) -> dict[str, float]:
@@ -189,9 +192,9 @@ def sustained(args: argparse.Namespace) -> int:
         end = first + timedelta(minutes=args.minutes)
         _analyze_once_flowing(first + timedelta(seconds=3))
         _sleep_until(first)
-        cpu0, stmts0, by_sql0 = layout.cpu_by_kind(), _statements(stats_dir), _statements_by_sql(stats_dir)
+        cpu0, (stmts0, by_sql0) = layout.cpu_by_kind(), _statement_counts(stats_dir)
         _sleep_until(end + timedelta(seconds=2))
-        cpu1, stmts1, by_sql1 = layout.cpu_by_kind(), _statements(stats_dir), _statements_by_sql(stats_dir)
+        cpu1, (stmts1, by_sql1) = layout.cpu_by_kind(), _statement_counts(stats_dir)
         drain_deadline = time.time() + 60
         _stop_processes_after_drain(layout, drain_deadline, lambda: _count_open_due(end))
         _stop_target(target)

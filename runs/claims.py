@@ -240,23 +240,20 @@ def _claim_ids(run_ids: list[int], worker: str, lease: timedelta, sent_at: datet
         ids = list(run_ids)
     template = template.replace("RETURNING fence, attempt", "RETURNING id, fence, attempt")
     assert "RETURNING id, fence, attempt, started_at" in template
-    if connection.vendor == "postgresql":
-        # One statement: the claim and the clock it checked due times against.
+    # PostgreSQL: one statement, the claim and the clock it checked due times against
+    # (read last). The embedded SQLite file: the store's clock is this process's.
+    clocked = connection.vendor == "postgresql"
+    if clocked:
         template = CLOCKED_CLAIM_SQL.format(claim=template.strip(), now="{now}")
-        sql, until, now = _claim_sql(template, lease)
-        params = [worker, *until, *now, *now, worker, *sent, *ids, False, *now, *now, *now]  # the clock's last
-        with connection.cursor() as cursor:
-            cursor.execute(sql, params)
-            rows = cursor.fetchall()
+    else:
+        clock = store_now()
+    sql, until, now = _claim_sql(template, lease)
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [worker, *until, *now, *now, worker, *sent, *ids, False, *now, *now, *(now if clocked else [])])
+        rows = cursor.fetchall()
+    if clocked:
         clock = _as_datetime(rows[0][5])
         rows = [r for r in rows if r[0] is not None]
-    else:
-        # The embedded SQLite file: the store's clock is this process's (no statement).
-        clock = store_now()
-        sql, until, now = _claim_sql(template, lease)
-        with connection.cursor() as cursor:
-            cursor.execute(sql, [worker, *until, *now, *now, worker, *sent, *ids, False, *now, *now])
-            rows = cursor.fetchall()
     assert clock is not None
     return [
         Claim(run_id=int(r[0]), fence=int(r[1]), attempt=int(r[2]), worker=worker, started_at=_as_datetime(r[3]),

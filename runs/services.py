@@ -924,8 +924,9 @@ def _claim_wave(runs: list[Run], worker: str, lease: timedelta, sent_at: datetim
         taken, now = claims.claim_many_clocked(run_ids=[r.pk for r in runs], worker=worker, lease=lease,
                                                sent_at=sent_at)
         runs_by_id = {r.pk: r for r in runs}
-        # The claim's clock is at least the due time of every run it took (it checks):
-        # the event says no earlier than either.
+        # The claim's clock is at least the due time of every run it took (it checks);
+        # on SQLite it is read just before the claim, so the event says no earlier than
+        # the due time either.
         # On the row (claims.CLAIM_SQL): counted here, not written.
         claimed = [
             events.on_row(events.event(c.run_id, "claimed", max(now, runs_by_id[c.run_id].due_at), fence=c.fence,

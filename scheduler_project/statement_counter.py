@@ -18,26 +18,27 @@ from typing import Any, Callable
 _lock = threading.Lock()
 _count = 0
 _flusher_pid = 0
+_kind = ""  # this process's kind, for the by-statement keys (set at its first statement)
 _by_sql: dict[str, int] = {}
 _SAVEPOINT_NAME = re.compile(r'"s\d+_x\d+"')  # one name a savepoint: counted as one statement
 
 
 def _counter(execute: Callable[..., Any], sql: str, params: Any, many: bool, context: Any) -> Any:
-    global _count, _flusher_pid
+    global _count, _flusher_pid, _kind
     with _lock:
         if _flusher_pid != os.getpid():  # first statement in this process (prefork children too)
-            _flusher_pid = os.getpid()
+            _flusher_pid, _kind = os.getpid(), _kind_of_process()
             _count = 0  # a prefork child starts from its parent's count: its own file counts from 0
             _by_sql.clear()
             threading.Thread(target=_flush_forever, daemon=True).start()
         _count += 1
         if os.environ.get("SCHEDULER_COUNT_STATEMENTS_BY_SQL"):
-            key = f"{_kind()}: {_SAVEPOINT_NAME.sub('<name>', ' '.join(sql.split())[:100])}"
+            key = f"{_kind}: {_SAVEPOINT_NAME.sub('<name>', ' '.join(sql.split())[:100])}"
             _by_sql[key] = _by_sql.get(key, 0) + 1
     return execute(sql, params, many, context)
 
 
-def _kind() -> str:
+def _kind_of_process() -> str:
     args = " ".join(sys.argv)
     return "scanner" if "scanner" in args else "worker" if "celery" in args else os.path.basename(sys.argv[0])
 
