@@ -6,6 +6,7 @@ attach the field name.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import ipaddress
 import re
 import socket
@@ -213,9 +214,11 @@ def _check_dotted_quad(host: str) -> None:
         )
 
 
+@functools.lru_cache(maxsize=4096)
 def target_host(url: str) -> str:
     """The host as written in the URL, port included (the bulkhead's, breaker's and
-    pause's key), from the same parse as the connection's."""
+    pause's key), from the same parse as the connection's. Cached: a pure function of
+    the string, asked for several times a run on the worker's path (target_key)."""
     try:
         return (_parse(url).netloc or "").lower()
     except ValueError:

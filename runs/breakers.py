@@ -101,7 +101,7 @@ def record_many(*, host: str, found: list[tuple[str, bool, str]], now: datetime 
                 nothing_to_reset: bool = False) -> None:
     """A batch's calls to one host, in order: (holder, trouble, error) each.
     All fine (the common case) costs what one success does, and nothing when the
-    batch's own read of the breakers (counting) found nothing for this host
+    worker's read of the breakers (counting, runs.services._BreakerView) found nothing for this host
     (`nothing_to_reset`): a breaker closed with no failures counted. `now` may be a
     function, called only when something is written."""
     if not found:

@@ -12,6 +12,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
+from contextlib import nullcontext
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -95,7 +96,13 @@ COUNTED = (S.SUCCEEDED, S.DEAD, S.SKIPPED)
 MAX_TAKEN_TIMES = 100
 
 
-def jobs_lock(job_ids: Iterable[int], *, nowait: bool = False) -> dict[int, Job]:
+# What a call sends (its content), and nothing an outcome decides from: the outcome
+# write's lock leaves it unread (jobs_lock(content=False)); a field of it read there
+# anyway is fetched when read, so leaving it out can cost time, never a wrong answer.
+CALL_CONTENT = ("headers", "secret_headers", "secret_header_names", "payload", "args", "kwargs")
+
+
+def jobs_lock(job_ids: Iterable[int], *, nowait: bool = False, content: bool = True) -> dict[int, Job]:
     """The jobs as they are now, their rows locked until the transaction ends.
 
     FOR NO KEY UPDATE: it waits for (and makes wait) an edit, a pause, a resume or a
@@ -106,12 +113,16 @@ def jobs_lock(job_ids: Iterable[int], *, nowait: bool = False) -> dict[int, Job]
     `nowait`: raise (django.db.OperationalError) at once if another transaction
     holds one of them, for a caller that already holds run rows (the scanner):
     waiting there could deadlock with an edit, which locks the job, then its runs.
+    `content=False`: the jobs without CALL_CONTENT (the outcome write: not reading and
+    decoding those columns for every job of every batch).
     """
     assert connection.in_atomic_block, "a job's lock lasts its transaction"
     ids = sorted(set(job_ids))
     if not ids:
         return {}
     locked = Job.objects.select_for_update(no_key=True, nowait=nowait).filter(pk__in=ids).order_by("pk")
+    if not content:
+        locked = locked.defer(*CALL_CONTENT)
     return {job.pk: job for job in locked}
 
 
@@ -606,36 +617,55 @@ CLAIM_WAVE = 0.01
 # process's estimate of that clock was off) is tried again at the due time, this
 # many times at most; then the run goes back to `scheduled`, for the scanner.
 NOT_DUE_TRIES = 3
-# A batch reads its hosts' breakers once for all its waves (one statement, not one a
-# wave), and again for a wave when that read is older than this, or when a host of
-# the wave was not closed (a half-open breaker's probe is decided on a fresh read).
-# So a breaker another worker opens is seen by a batch's later waves this late at most.
+# A worker process reads its hosts' breakers once for all its batches' waves (one
+# statement, not one a wave or a message), and again for a wave when that read is
+# older than this, or does not cover the wave's hosts, or found one of them not closed
+# (a half-open breaker's probe is decided on a fresh read), or after this process
+# counted a failure. So a breaker another worker opens is seen here this late at most.
 BREAKER_READ_FOR = 0.2
 
 
-@dataclass
-class _BreakerView:
-    """A batch's read of its hosts' breakers (breakers.counting): those open, half-open
-    or counting failures; a host not in it had nothing to reset when it was read."""
+@dataclass(frozen=True)
+class _BreakerRead:
+    seen: dict[str, tuple[str, int]]  # breakers.counting: open, half-open or counting failures
+    hosts: frozenset[str]  # the hosts the read covered
+    read_at: float  # time.monotonic()
 
-    seen: dict[str, tuple[str, int]] = field(default_factory=dict)
-    hosts: set[str] = field(default_factory=set)  # the hosts the read covered
-    read_at: float = float("-inf")  # time.monotonic()
+
+class _BreakerView:
+    """A read of some hosts' breakers (breakers.counting): those open, half-open or
+    counting failures; a host not in it had nothing to reset when it was read. One a
+    worker process (_PROCESS_BREAKERS), shared by its batches: each read is replaced
+    whole, so batches on threads of one process see one read or the next, never half."""
+
+    def __init__(self) -> None:
+        self._read = _BreakerRead(seen={}, hosts=frozenset(), read_at=float("-inf"))
 
     def not_closed(self, hosts: list[str], all_hosts: Iterable[str] = ()) -> set[str]:
         """Of `hosts`, those not closed; read again first unless the last read covers
         them, is fresh, and found them all closed. `all_hosts`: the batch's, read together."""
-        fresh = time.monotonic() - self.read_at <= BREAKER_READ_FOR
-        if not (fresh and self.hosts.issuperset(hosts) and not any(self._open(h) for h in hosts)):
+        read = self._read
+        fresh = time.monotonic() - read.read_at <= BREAKER_READ_FOR
+        if not (fresh and read.hosts.issuperset(hosts) and not any(self._open(read, h) for h in hosts)):
             wanted = sorted(set(hosts) | set(all_hosts))
-            self.seen, self.hosts, self.read_at = breakers.counting(wanted), set(wanted), time.monotonic()
-        return {host for host in hosts if self._open(host)}
+            read = _BreakerRead(seen=breakers.counting(wanted), hosts=frozenset(wanted), read_at=time.monotonic())
+            self._read = read
+        return {host for host in hosts if self._open(read, host)}
 
-    def _open(self, host: str) -> bool:
-        return host in self.seen and self.seen[host][0] != breakers.B.CLOSED
+    @staticmethod
+    def _open(read: _BreakerRead, host: str) -> bool:
+        return host in read.seen and read.seen[host][0] != breakers.B.CLOSED
 
     def nothing_to_reset(self, host: str) -> bool:
-        return host in self.hosts and host not in self.seen
+        read = self._read
+        return host in read.hosts and host not in read.seen
+
+    def forget(self) -> None:
+        """This process counted a failure: the next wave reads the breakers again."""
+        self._read = _BreakerRead(seen={}, hosts=frozenset(), read_at=float("-inf"))
+
+
+_PROCESS_BREAKERS = _BreakerView()
 
 
 def longest_wait() -> float:
@@ -692,7 +722,7 @@ class _Batch:
     offset: float  # seconds the store's clock is ahead of this process's
     sent_at: datetime | None = None  # when the message was published (claims.claim_many)
     gates: dict[int, Gate] = field(default_factory=dict)
-    breakers: _BreakerView = field(default_factory=_BreakerView)
+    breakers: _BreakerView = field(default_factory=lambda: _PROCESS_BREAKERS)
     hosts: set[str] = field(default_factory=set)  # of every run of the batch: one breaker read for all
     calls: list[Call] = field(default_factory=list)
     in_flight: list[tuple[Call, Future[CallResult]]] = field(default_factory=list)
@@ -918,9 +948,13 @@ def _claim_wave(runs: list[Run], worker: str, lease: timedelta, sent_at: datetim
     in the claim's own statement): a run due after that which was not taken may only
     have been early. `counts`: where the claims' rollups (runs.rollups) are added for
     the caller to write, instead of with the claim (_Batch: once for all its waves)."""
-    with transaction.atomic():
+    # One statement, unless something else must be written with it: the claimed events
+    # (`counts` not given) or an overlap-allow job's next run. It then needs no
+    # transaction of its own (a BEGIN and a COMMIT a wave).
+    alone = counts is not None and not any(_may_detach(r, r.job) for r in runs)
+    with nullcontext() if alone else transaction.atomic():
         # Overlap allow: those jobs are locked before any run row (the order an edit takes).
-        allow_jobs = jobs_lock(r.job_id for r in runs if _may_detach(r, r.job))
+        allow_jobs = {} if alone else jobs_lock(r.job_id for r in runs if _may_detach(r, r.job))
         taken, now = claims.claim_many_clocked(run_ids=[r.pk for r in runs], worker=worker, lease=lease,
                                                sent_at=sent_at)
         runs_by_id = {r.pk: r for r in runs}
@@ -1174,14 +1208,15 @@ def _tell_breakers(calls: list[Call], gates: dict[int, Gate], view: _BreakerView
         return clock[0]
 
     for host, group in by_host.items():
+        found = [(gates[c.run.pk].holder, c.result.retryable, c.result.describe()) for c in group if c.result]
         try:
             breakers.record_many(
-                host=host,
-                found=[(gates[c.run.pk].holder, c.result.retryable, c.result.describe()) for c in group if c.result],
-                now=now, nothing_to_reset=view is not None and view.nothing_to_reset(host),
+                host=host, found=found, now=now, nothing_to_reset=view is not None and view.nothing_to_reset(host),
             )
         except Exception:  # the breaker is advice; the outcomes must still be recorded
             logger.warning("could not record the calls' results on %s's breaker", host, exc_info=True)
+        if view is not None and any(failed for _, failed, _ in found):
+            view.forget()
 
 
 def _signer_for(job: Job) -> delivery.Signer | None:
@@ -1277,7 +1312,7 @@ def _record_outcomes(calls: list[Call]) -> dict[int, str]:
     to follows the job as it is now, whatever happened to it during the call.
     """
     with transaction.atomic():
-        jobs = jobs_lock(call.run.job_id for call in calls)
+        jobs = jobs_lock((call.run.job_id for call in calls), content=False)
         for call in calls:
             call.run.job = jobs.get(call.run.job_id) or call.run.job
         now = claims.store_now()  # a retry's due_at is read by the scanner in the store's clock

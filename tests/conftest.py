@@ -39,6 +39,16 @@ class Service:
 
 
 @pytest.fixture(autouse=True)
+def _no_breaker_read_left_over() -> Any:
+    """A worker process keeps its read of the breakers for a moment (runs.services
+    BREAKER_READ_FOR); a test's rows are new, so each test starts without one."""
+    from runs import services
+
+    services._PROCESS_BREAKERS.forget()
+    yield
+
+
+@pytest.fixture(autouse=True)
 def _no_bulkhead_slots_left_over() -> Any:
     """Bulkhead slots in Redis outlive a test's database; start each test without any."""
     from django.conf import settings

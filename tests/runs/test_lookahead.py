@@ -321,8 +321,38 @@ def test_a_batch_of_waves_reads_the_breakers_once_and_counts_its_claims_in_one_w
     assert sum(s == "SELECT clock_timestamp()" for s in sql) == 2
     # The claims' counts in one upsert, the outcomes' in another.
     assert sum(s.startswith("INSERT INTO run_rollups") for s in sql) == 2
+    # A wave's claim is one statement, with no transaction around it: the only one
+    # is the outcomes'.
+    assert sum(s == "BEGIN" for s in sql) == 1
+    # The outcome write locks the jobs without what their calls sent.
+    [lock] = [s for s in sql if s.endswith("FOR NO KEY UPDATE")]
+    assert '"jobs"."schedule"' in lock and '"jobs"."payload"' not in lock and '"jobs"."headers"' not in lock
     started = RunRollup.objects.filter(minute=rollups.TOTAL_MINUTE, kind="started")
     assert started.aggregate(n=Sum("n"), lag_n=Sum("lag_n")) == {"n": 5, "lag_n": 5}
+
+
+def test_a_workers_batches_share_one_read_of_the_breakers_until_a_call_fails(
+    service: Any, target: LoopbackTarget, monkeypatch: Any
+) -> None:
+    """The read of the breakers is the worker process's, not a message's: the next
+    message within BREAKER_READ_FOR reads nothing, and a failed call makes the next
+    one read them again."""
+    monkeypatch.setattr(run_services, "BREAKER_READ_FOR", 5.0)
+    jobs = [job_for(service, target, f"/r{i}") for i in range(3)]
+    target.script("/r1", [500])
+
+    def breaker_reads(job: Job) -> tuple[str, int]:
+        run = queued_ahead(job, -0.1)
+        with CaptureQueriesContext(connection) as captured:
+            [outcome] = run_execute_many(run_ids=[run.pk], worker="w1").values()
+        return outcome, sum('FROM "target_breakers"' in q["sql"] for q in captured.captured_queries)
+
+    assert breaker_reads(jobs[0]) == ("succeeded", 1)
+    assert breaker_reads(jobs[1]) == ("dead", 0)  # the read is fresh; the failure is counted...
+    assert breaker_reads(jobs[2]) == ("succeeded", 1)  # ...so the next message reads again, and resets it
+    from runs.models import TargetBreaker
+
+    assert TargetBreaker.objects.get().failures == 0
 
 
 def test_a_claim_that_takes_nothing_still_says_its_clock() -> None:
