@@ -632,6 +632,9 @@ class _BreakerRead:
     read_at: float  # time.monotonic()
 
 
+_NO_READ = _BreakerRead(seen={}, hosts=frozenset(), read_at=float("-inf"))
+
+
 class _BreakerView:
     """A read of some hosts' breakers (breakers.counting): those open, half-open or
     counting failures; a host not in it had nothing to reset when it was read. One a
@@ -639,7 +642,7 @@ class _BreakerView:
     whole, so batches on threads of one process see one read or the next, never half."""
 
     def __init__(self) -> None:
-        self._read = _BreakerRead(seen={}, hosts=frozenset(), read_at=float("-inf"))
+        self._read = _NO_READ
 
     def not_closed(self, hosts: list[str], all_hosts: Iterable[str] = ()) -> set[str]:
         """Of `hosts`, those not closed; read again first unless the last read covers
@@ -662,7 +665,7 @@ class _BreakerView:
 
     def forget(self) -> None:
         """This process counted a failure: the next wave reads the breakers again."""
-        self._read = _BreakerRead(seen={}, hosts=frozenset(), read_at=float("-inf"))
+        self._read = _NO_READ
 
 
 _PROCESS_BREAKERS = _BreakerView()
@@ -951,10 +954,11 @@ def _claim_wave(runs: list[Run], worker: str, lease: timedelta, sent_at: datetim
     # One statement, unless something else must be written with it: the claimed events
     # (`counts` not given) or an overlap-allow job's next run. It then needs no
     # transaction of its own (a BEGIN and a COMMIT a wave).
-    alone = counts is not None and not any(_may_detach(r, r.job) for r in runs)
+    allow_ids = [r.job_id for r in runs if _may_detach(r, r.job)]
+    alone = counts is not None and not allow_ids
     with nullcontext() if alone else transaction.atomic():
         # Overlap allow: those jobs are locked before any run row (the order an edit takes).
-        allow_jobs = {} if alone else jobs_lock(r.job_id for r in runs if _may_detach(r, r.job))
+        allow_jobs = jobs_lock(allow_ids) if allow_ids else {}
         taken, now = claims.claim_many_clocked(run_ids=[r.pk for r in runs], worker=worker, lease=lease,
                                                sent_at=sent_at)
         runs_by_id = {r.pk: r for r in runs}
