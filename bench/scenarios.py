@@ -118,6 +118,22 @@ def _start_lags(calls: list[tuple[float, int]], due: dict[int, tuple[datetime, i
     return lags, len(again)
 
 
+def _lag_by_10s(calls: list[tuple[float, int]], due: dict[int, tuple[datetime, int]], first: datetime) -> dict[str, list[float]]:
+    """Each 10 s of due times from `first`: the p99 and the max start lag of its runs."""
+    first_call: dict[int, float] = {}
+    for at, rid in calls:
+        first_call[rid] = min(at, first_call.get(rid, at))
+    buckets: dict[int, list[float]] = {}
+    for rid, at in first_call.items():
+        if due[rid][1] > 1:
+            continue
+        due_ts = due[rid][0].timestamp()
+        buckets.setdefault(int((due_ts - first.timestamp()) // 10), []).append(at - due_ts)
+    order = sorted(buckets)
+    return {"p99": [round(percentile(buckets[b], 99), 3) for b in order],
+            "max": [round(max(buckets[b]), 3) for b in order]}
+
+
 def _lag_parts(first: datetime, end: datetime) -> dict[str, dict[str, float]]:
     """Where the lag goes, from the run rows (the store's clock): due to queued (the scanner)
     and queued to started (the queue and the claim), for the runs due in the window."""
@@ -202,6 +218,7 @@ def sustained(args: argparse.Namespace) -> int:
         due = _due_at_by_run([rid for _, rid in arrivals])
         in_window = [(at, rid) for at, rid in arrivals if rid in due and first <= due[rid][0] < end]
         lags, called_again = _start_lags(in_window, due)
+        by_10s = _lag_by_10s(in_window, due, first)
         started_in_time = sum(1 for at, _ in in_window if at < end.timestamp() + 2)
         seconds = (end - first).total_seconds()
         done = len(in_window)
@@ -224,6 +241,9 @@ def sustained(args: argparse.Namespace) -> int:
             "lag_measured": "per run: its first call's receipt at the target (time.time() in bench/noop_target.py) "
                             "minus the run's due_at in the database, over every run due in the measured minutes",
             "lag_parts_s": _lag_parts(first, end),
+            # Where in the measured minutes the lag was: p99 and max of the runs due in each
+            # 10 s from `first` (a warm-up, a stall, or the whole run).
+            "lag_by_10s": by_10s,
             "cpu_s_per_run": {k: round((cpu1[k] - cpu0.get(k, 0.0)) / max(1, started_in_time), 6) for k in cpu1},
             "statements_per_run": round((stmts1 - stmts0) / max(1, started_in_time), 2),
             "layout": _layout_summary(args),

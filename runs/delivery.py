@@ -16,7 +16,7 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import datetime, timezone as dt_timezone
-from typing import Callable, Generic, TypeVar
+from typing import Callable, Generic, TypeVar, cast
 
 from django.conf import settings
 from urllib3.exceptions import HTTPError as Urllib3Error, NameResolutionError, SSLError as Urllib3SSLError
@@ -90,10 +90,12 @@ class CallPool:
     thread it ever made (docs/reliability.md: the worker children's memory). Calls over
     the limit wait in order for a thread."""
 
-    def __init__(self, limit: int, *, idle_seconds: float = IDLE_THREAD_SECONDS, name: str = "call") -> None:
+    def __init__(self, limit: int, *, idle_seconds: float = IDLE_THREAD_SECONDS, name: str = "call",
+                 at_end: Callable[[], None] | None = None) -> None:
         self.limit = max(1, limit)
         self.idle_seconds = idle_seconds
         self._name = name
+        self._at_end = at_end  # called by each thread as it ends (its own clean-up)
         self._lock = threading.Lock()
         self._idle: list[_Hand] = []  # idle threads' hands, the last to go idle on top
         self._waiting: deque[_Work] = deque()  # calls waiting for a thread (all busy)
@@ -101,8 +103,19 @@ class CallPool:
         self._made = 0
 
     def submit(self, fn: Callable[..., T], *args: object) -> Future[T]:
+        # Never None with wait=True: a call that finds no thread waits for one.
+        return cast("Future[T]", self._start(fn, args, wait=True))
+
+    def offer(self, fn: Callable[..., T], *args: object) -> Future[T] | None:
+        """As submit, but only to a thread free now or made now: None when all
+        `limit` are busy (the caller does the work itself)."""
+        return self._start(fn, args, wait=False)
+
+    def _start(self, fn: Callable[..., T], args: tuple[object, ...], *, wait: bool) -> Future[T] | None:
         work: _Work = (Future(), fn, args)
         with self._lock:
+            if not wait and not self._idle and self._threads >= self.limit:
+                return None
             if self._idle:
                 hand = self._idle.pop()
                 hand.work = work
@@ -115,6 +128,8 @@ class CallPool:
                     thread.start()
                 except RuntimeError:  # no thread to be had: the call waits for a busy one, if any
                     self._threads -= 1
+                    if not wait:
+                        return None
                     if not self._threads:
                         raise
                     self._waiting.append(work)
@@ -148,6 +163,8 @@ class CallPool:
             del future, fn, args, result, failed  # nothing of a finished call is held while idle
             if work is None:
                 work = self._wait(hand)
+        if self._at_end is not None:
+            self._at_end()
 
     def _waiting_or_idle(self, hand: _Hand) -> _Work | None:
         with self._lock:

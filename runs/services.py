@@ -679,7 +679,8 @@ def longest_wait() -> float:
     return max(2.0, 2 * settings.SCHEDULER_LOOKAHEAD)
 
 
-def run_execute_many(*, run_ids: list[int], worker: str | None = None, sent_at: datetime | None = None) -> dict[int, str]:
+def run_execute_many(*, run_ids: list[int], worker: str | None = None, sent_at: datetime | None = None,
+                     hand_off: Callable[[Callable[[], None]], bool] | None = None) -> dict[int, str]:
     """A batch of runs (one message from the scanner): admit, claim, call the
     targets side by side, record what happened. Returns each run's outcome.
 
@@ -691,7 +692,9 @@ def run_execute_many(*, run_ids: list[int], worker: str | None = None, sent_at: 
     waiting spends no try, and holds no worker. The claim is one statement a wave;
     the outcomes and the next runs one statement for the whole batch, after its last
     call; every write still names its run's fence. `sent_at`: when the message was
-    published (claims.claim_many).
+    published (claims.claim_many). `hand_off`: when the batch's first run is not due
+    yet, it is offered the rest of the batch (runs.waiters: a thread that waits instead
+    of the worker child); when it takes it, this returns at once, those runs "waiting".
     """
     worker = worker or default_worker_id()
     outcomes: dict[int, str] = {}
@@ -707,10 +710,18 @@ def run_execute_many(*, run_ids: list[int], worker: str | None = None, sent_at: 
         else:
             candidates.append(run)
     batch = _Batch(worker=worker, lease=lease_length(), outcomes=outcomes, offset=offset, sent_at=sent_at)
-    try:
-        batch.run(candidates, now)
-    finally:
-        batch.finish()
+
+    def work() -> None:
+        try:
+            batch.run(candidates, now)
+        finally:
+            batch.finish()
+
+    if hand_off is not None and candidates and min(run.due_at for run in candidates) > now:
+        answer = {**outcomes, **dict.fromkeys((run.pk for run in candidates), "waiting")}
+        if hand_off(work):
+            return answer
+    work()
     return outcomes
 
 

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from datetime import datetime
 
 from celery import Task, shared_task
 from django.db import InterfaceError, OperationalError
 
-from runs import storegate
+from runs import storegate, waiters
 from runs.services import run_execute_many
 
 
@@ -29,10 +30,26 @@ def execute_runs(self: Task, run_ids: list[int], handbacks: int = 0, sent_at: st
     if storegate.is_closed():
         handed = storegate.hand_back(ids, handbacks=handbacks, queue=queue, why="this worker cannot reach the store")
         return dict.fromkeys(ids, "handed_back" if handed else "not_claimed")
-    try:
-        return run_execute_many(run_ids=ids, worker=_worker(self), sent_at=sent)
-    except (OperationalError, InterfaceError):
+    def store_trouble() -> None:
         storegate.hand_back(ids, handbacks=handbacks, queue=queue, why="the store's own trouble")
+
+    def hand_off(work: Callable[[], None]) -> bool:
+        # The rest of a batch that must wait for its due times, on a waiter thread
+        # (runs.waiters), with the same hand-back on the store's trouble as here.
+        def guarded() -> None:
+            try:
+                work()
+            except (OperationalError, InterfaceError):
+                store_trouble()
+                raise
+
+        return waiters.hand_off(guarded)
+
+    try:
+        return run_execute_many(run_ids=ids, worker=_worker(self), sent_at=sent,
+                                hand_off=None if self.request.is_eager else hand_off)
+    except (OperationalError, InterfaceError):
+        store_trouble()
         raise
 
 

@@ -53,3 +53,18 @@ def _stop_heartbeat(sender: object = None, **_: object) -> None:
     from runs import workers
 
     workers.stop(getattr(sender, "hostname", None) or "worker")
+
+
+# A worker child that stops by its own choice (a warm shutdown, max tasks per child)
+# lets the batches on its waiter threads finish first (runs.waiters): each waits at
+# most its longest wait for its due times, then claims, calls and writes.
+from celery.signals import worker_process_shutdown  # noqa: E402
+
+
+@worker_process_shutdown.connect
+def _let_waiters_finish(**_: object) -> None:
+    from runs import waiters
+    from runs.services import longest_wait
+
+    if waiters.drain(timeout=longest_wait() + 60):
+        waiters.close_connections()

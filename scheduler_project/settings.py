@@ -458,6 +458,14 @@ SCHEDULER_DISPATCH_BATCH = env_int("SCHEDULER_DISPATCH_BATCH", 200)
 # as needed). As many as a batch holds, so that a batch to a slow host goes out in
 # one round, not in several (docs/performance.md: 100 ms calls).
 SCHEDULER_WORKER_CALLS = env_int("SCHEDULER_WORKER_CALLS", SCHEDULER_DISPATCH_BATCH)
+# Threads a worker process gives the run messages that must wait for their due times
+# (the look-ahead), so that the process takes its next message meanwhile
+# (runs.waiters). Each has its own database connection. 0: the process waits itself;
+# the default on SQLite, whose one writer gains nothing from more threads.
+SCHEDULER_WORKER_WAITERS = env_int(
+    "SCHEDULER_WORKER_WAITERS", 0 if DATABASES["default"]["ENGINE"].endswith("sqlite3") else 4)
+if SCHEDULER_WORKER_WAITERS < 0:
+    raise ImproperlyConfigured(f"SCHEDULER_WORKER_WAITERS must be 0 or more, not {SCHEDULER_WORKER_WAITERS}")
 # A scanner stops queueing while this many of its partitions' runs wait queued and
 # unclaimed: due runs stay `scheduled` in the store (the truth) instead of piling up
 # in the broker, where they would be published again after SCHEDULER_REQUEUE_AFTER.

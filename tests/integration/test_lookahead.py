@@ -6,6 +6,8 @@ Both processes run on this machine, so the target's arrival times and the store'
 due times are read on one clock."""
 from __future__ import annotations
 
+import os
+import signal
 import time
 from datetime import datetime, timedelta, timezone as dt_timezone
 from typing import Any
@@ -13,7 +15,9 @@ from typing import Any
 import pytest
 
 from jobs.services import job_create, service_account_ensure
+from runs import claims
 from runs.models import Run
+from runs.tasks import execute_runs
 from tests.integration.conftest import PrivateRedis, Stack, wait_for
 from tests.target import LoopbackTarget
 from tests.factories import timeline_of
@@ -95,3 +99,94 @@ def test_a_worker_killed_while_waiting_loses_nothing(
     assert call.at >= run.due_at.timestamp()
     time.sleep(0.5)
     assert len(target.calls()) == 1
+
+
+def queued_ahead(target: LoopbackTarget, path: str, in_seconds: float) -> Run:
+    """A run queued to be due `in_seconds` from now by the store's clock, as a scan
+    with the look-ahead leaves it (its message is the test's to publish)."""
+    owner, _ = service_account_ensure(name="lookahead")
+    job = job_create(owner=owner, fields={"name": path.strip("/"), "schedule": "0 0 1 1 *",
+                                          "target": target.url(path), "retry_max": 0})
+    now = claims.store_now()
+    Run.objects.filter(job=job).update(status=S.QUEUED, queued_at=now, due_at=now + timedelta(seconds=in_seconds))
+    return Run.objects.get(job=job)
+
+
+def test_a_worker_child_takes_its_next_message_while_an_earlier_one_waits(
+    stack: Stack, target: LoopbackTarget
+) -> None:
+    # One child, which may wait up to 8 s (twice the look-ahead) for a message's runs.
+    worker = stack.worker("one-child", concurrency=1, SCHEDULER_LOOKAHEAD="4")
+    wait_for(lambda: " ready." in worker.output(), 30, what="the worker to be ready")
+    queue = stack.env["SCHEDULER_RUN_QUEUE"]
+    later = queued_ahead(target, "/later", 5)
+    sooner = queued_ahead(target, "/sooner", 2)
+
+    execute_runs.apply_async(([later.pk],), queue=queue)
+    execute_runs.apply_async(([sooner.pk],), queue=queue)
+
+    [soon_call] = wait_for(lambda: target.calls("/sooner"), 30, what="the sooner run's call")
+    [late_call] = wait_for(lambda: target.calls("/later"), 30, what="the later run's call")
+    # The child handed the first message's wait to a waiter thread (runs.waiters) and
+    # took the second: the sooner run was called before the later one came due.
+    assert soon_call.at < later.due_at.timestamp() and soon_call.at < late_call.at
+    assert soon_call.at >= sooner.due_at.timestamp() and late_call.at >= later.due_at.timestamp()
+    for run in (sooner, later):
+        wait_for(lambda r=run: Run.objects.get(pk=r.pk).status == S.SUCCEEDED, 30, what="the run to succeed")
+        assert Run.objects.get(pk=run.pk).fence == 1
+
+
+def test_a_worker_stopped_while_a_waiter_holds_a_message_lets_it_finish(
+    stack: Stack, target: LoopbackTarget
+) -> None:
+    worker = stack.worker("stopping", concurrency=1, SCHEDULER_LOOKAHEAD="4")
+    wait_for(lambda: " ready." in worker.output(), 30, what="the worker to be ready")
+    run = queued_ahead(target, "/held", 3)
+    execute_runs.apply_async(([run.pk],), queue=stack.env["SCHEDULER_RUN_QUEUE"])
+    wait_for(lambda: "runs.execute_runs" in worker.output() and "succeeded" in worker.output(), 10,
+             what="the child to hand the message off and return")
+    assert Run.objects.get(pk=run.pk).status == S.QUEUED and target.calls() == []
+
+    # SIGTERM to the worker's main process: Celery's warm shutdown, which ends each
+    # child with a sentinel; the child lets its waiters finish as it exits.
+    os.kill(worker.pid, signal.SIGTERM)
+    worker.popen.wait(timeout=30)
+
+    [call] = target.calls("/held")
+    run.refresh_from_db()
+    assert run.status == S.SUCCEEDED and run.fence == 1 and call.at >= run.due_at.timestamp()
+
+
+def stop_as_systemd_does(proc: Any) -> None:
+    """Stop a worker the way deploy/systemd/scheduler-worker@.service has systemd stop
+    it: KillSignal to the main process alone (KillMode=mixed or process) or to every
+    process of the unit (control-group, systemd's default)."""
+    from tests.integration.test_deploy_guide import UNITS, parse_unit
+
+    unit = parse_unit(UNITS / "scheduler-worker@.service")
+    sig = getattr(signal, unit.get("KillSignal", "SIGTERM"))
+    if unit.get("KillMode", "control-group") in ("mixed", "process"):
+        os.kill(proc.pid, sig)
+    else:
+        os.killpg(proc.pid, sig)
+    proc.popen.wait(timeout=float(unit.get("TimeoutStopSec", "90")))
+
+
+def test_a_worker_stopped_as_its_unit_says_finishes_the_call_it_has_in_flight(
+    stack: Stack, target: LoopbackTarget
+) -> None:
+    target.delay("/slow", 2)
+    worker = stack.worker("stopping", concurrency=1)
+    wait_for(lambda: " ready." in worker.output(), 30, what="the worker to be ready")
+    run = queued_ahead(target, "/slow", 0)
+    execute_runs.apply_async(([run.pk],), queue=stack.env["SCHEDULER_RUN_QUEUE"])
+    wait_for(lambda: Run.objects.get(pk=run.pk).status == S.RUNNING, 10, what="the call to be in flight")
+
+    stop_as_systemd_does(worker)
+
+    # The child kept its call and wrote its outcome: a warm shutdown. (Under systemd's
+    # default KillMode the child got SIGTERM too and died mid-call, the run left
+    # running until its lease ran out and then called again.)
+    run.refresh_from_db()
+    assert run.status == S.SUCCEEDED and run.fence == 1 and len(target.calls("/slow")) == 1
+    assert "WorkerLostError" not in worker.output()
