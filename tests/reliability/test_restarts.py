@@ -86,8 +86,11 @@ def test_a_worker_holding_prefetched_messages_survives_a_redis_restart(
     (kombu: AttributeError, 'NoneType' object has no attribute 'hostname') and the worker
     exited: "Unrecoverable error". Remote control is off now
     (CELERY_WORKER_ENABLE_REMOTE_CONTROL): the project never broadcasts."""
+    # No waiter threads (runs.waiters): the child holds each message, so the rest stay
+    # prefetched, even those queued ahead of their due time.
     stack.env.update(CELERY_BROKER_URL=private_redis.url, SCHEDULER_BULKHEAD_REDIS_URL=private_redis.url,
-                     SCHEDULER_DISPATCH_BATCH="1", SCHEDULER_REQUEUE_AFTER="3", SCHEDULER_LEASE_SECONDS="5")
+                     SCHEDULER_DISPATCH_BATCH="1", SCHEDULER_REQUEUE_AFTER="3", SCHEDULER_LEASE_SECONDS="5",
+                     SCHEDULER_WORKER_WAITERS="0")
     counting_target.delay(2.0)
     worker = stack.worker("worker-a", concurrency=1)  # one call at a time: the other messages wait prefetched
     scanner = stack.scanner("scanner-a")
@@ -112,7 +115,8 @@ def test_a_worker_whose_acks_failed_while_redis_was_down_takes_messages_again(
     the slot. One child, 4 prefetch slots; 0.5 s calls through a 3 s outage: the worker
     starts (and fails to ack) every message it holds while Redis is down."""
     stack.env.update(CELERY_BROKER_URL=private_redis.url, SCHEDULER_BULKHEAD="database",
-                     SCHEDULER_DISPATCH_BATCH="1", SCHEDULER_REQUEUE_AFTER="3", SCHEDULER_LEASE_SECONDS="5")
+                     SCHEDULER_DISPATCH_BATCH="1", SCHEDULER_REQUEUE_AFTER="3", SCHEDULER_LEASE_SECONDS="5",
+                     SCHEDULER_WORKER_WAITERS="0")  # as above: the child holds each message
     counting_target.delay(0.5)
     worker = stack.worker("worker-a", concurrency=1)
     scanner = stack.scanner("scanner-a")
