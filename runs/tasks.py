@@ -30,6 +30,7 @@ def execute_runs(self: Task, run_ids: list[int], handbacks: int = 0, sent_at: st
     if storegate.is_closed():
         handed = storegate.hand_back(ids, handbacks=handbacks, queue=queue, why="this worker cannot reach the store")
         return dict.fromkeys(ids, "handed_back" if handed else "not_claimed")
+
     def store_trouble() -> None:
         storegate.hand_back(ids, handbacks=handbacks, queue=queue, why="the store's own trouble")
 

@@ -44,7 +44,6 @@ logger = logging.getLogger("scheduler.runs")
 IDLE_WAITER_SECONDS = 60.0
 
 
-
 def _close_own_connection() -> None:
     connections["default"].close()  # a waiter thread that ends: its connection with it
 
