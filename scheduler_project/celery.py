@@ -68,3 +68,30 @@ def _let_waiters_finish(**_: object) -> None:
 
     if waiters.drain(timeout=longest_wait() + 60):
         waiters.close_connections()
+
+
+
+# A worker child is one interpreter running many threads: waiter threads that must
+# claim and call at a due time, call threads, and batches writing their outcomes
+# (tens of milliseconds of Python each). Two interpreter settings decide how long a
+# thread that is due waits behind the others (docs/performance.md, issue 17):
+# - CPython hands the GIL to a waiting thread only every switch interval (5 ms by
+#   default), and a wave waits for it at each of its steps (the bulkhead, the claim,
+#   the call): SCHEDULER_WORKER_SWITCH_INTERVAL.
+# - A full collection of the cyclic garbage collector stops every thread while it
+#   walks every object tracked: 14 to 100 ms in a child that has loaded Django and
+#   Celery. What the child has loaded by now lives as long as it does: frozen, it is
+#   left out of every collection (gc.freeze), and copy-on-write pages stay shared.
+from celery.signals import worker_process_init  # noqa: E402
+
+
+@worker_process_init.connect
+def _tune_interpreter(**_: object) -> None:
+    import gc
+    import sys
+
+    from django.conf import settings
+
+    if settings.SCHEDULER_WORKER_SWITCH_INTERVAL > 0:
+        sys.setswitchinterval(settings.SCHEDULER_WORKER_SWITCH_INTERVAL)
+    gc.freeze()

@@ -420,10 +420,15 @@ SCHEDULER_SCAN_INTERVAL = float(env_str("SCHEDULER_SCAN_INTERVAL", "1") or 1)
 # Seconds ahead of its due time a run may be queued and published: the scan, the
 # publish, the broker and the worker's pickup happen before the run is due, and the
 # worker waits for the due time, then claims it (the claim refuses a run not yet
-# due by the store's clock). Long enough to hide that path, short enough that a
-# waiting message holds a worker child only briefly; 0.1 by measurement (docs/performance.md,
-# "Start lag"). 0: off.
-SCHEDULER_LOOKAHEAD = float(env_str("SCHEDULER_LOOKAHEAD", "0.1") or 0)
+# due by the store's clock). It also sets a steady stream's message size (a scan
+# slices runs not yet due by half of it), and so what each run pays of a message's
+# fixed cost. 0.5 on PostgreSQL, whose workers wait on waiter threads
+# (SCHEDULER_WORKER_WAITERS): at half the bench's highest rate 0.1 gave messages of
+# about 29 runs and fell seconds behind, 0.5 kept up (docs/performance.md, issue 17).
+# 0.1 on the embedded SQLite file, where a waiting message holds its worker child.
+# 0: off.
+SCHEDULER_LOOKAHEAD = float(env_str("SCHEDULER_LOOKAHEAD", "0.1" if DATABASES["default"]["ENGINE"].endswith("sqlite3")
+                                    else "0.5") or 0)
 if SCHEDULER_LOOKAHEAD < 0:
     raise ImproperlyConfigured(f"SCHEDULER_LOOKAHEAD must be 0 or more seconds, not {SCHEDULER_LOOKAHEAD}")
 SCHEDULER_MISFIRE_GRACE = env_int("SCHEDULER_MISFIRE_GRACE", 60)
@@ -466,6 +471,13 @@ SCHEDULER_WORKER_WAITERS = env_int(
     "SCHEDULER_WORKER_WAITERS", 0 if DATABASES["default"]["ENGINE"].endswith("sqlite3") else 4)
 if SCHEDULER_WORKER_WAITERS < 0:
     raise ImproperlyConfigured(f"SCHEDULER_WORKER_WAITERS must be 0 or more, not {SCHEDULER_WORKER_WAITERS}")
+# Seconds between the GIL's hand-overs in a worker child (sys.setswitchinterval;
+# CPython's default is 0.005): a waiter thread whose wave is due waits at most about
+# this long for a thread running Python (scheduler_project/celery.py). 0: CPython's.
+SCHEDULER_WORKER_SWITCH_INTERVAL = float(env_str("SCHEDULER_WORKER_SWITCH_INTERVAL", "0.001") or 0)
+if SCHEDULER_WORKER_SWITCH_INTERVAL < 0:
+    raise ImproperlyConfigured("SCHEDULER_WORKER_SWITCH_INTERVAL must be 0 or more seconds, "
+                               f"not {SCHEDULER_WORKER_SWITCH_INTERVAL}")
 # A scanner stops queueing while this many of its partitions' runs wait queued and
 # unclaimed: due runs stay `scheduled` in the store (the truth) instead of piling up
 # in the broker, where they would be published again after SCHEDULER_REQUEUE_AFTER.
