@@ -423,8 +423,9 @@ SCHEDULER_SCAN_INTERVAL = float(env_str("SCHEDULER_SCAN_INTERVAL", "1") or 1)
 # due by the store's clock). It also sets a steady stream's message size (a scan
 # slices runs not yet due by half of it), and so what each run pays of a message's
 # fixed cost. 0.5 on PostgreSQL, whose workers wait on waiter threads
-# (SCHEDULER_WORKER_WAITERS): at half the bench's highest rate 0.1 gave messages of
-# about 29 runs and fell seconds behind, 0.5 kept up (docs/performance.md, issue 17).
+# (SCHEDULER_WORKER_WAITERS): at about half the bench's highest rate, 0.1 made
+# messages of a few dozen runs, and the scanner spent 2.7 times and PostgreSQL 1.5
+# times the CPU a run they spend with 0.5 (docs/performance.md, issue 17).
 # 0.1 on the embedded SQLite file, where a waiting message holds its worker child.
 # 0: off.
 SCHEDULER_LOOKAHEAD = float(env_str("SCHEDULER_LOOKAHEAD", "0.1" if DATABASES["default"]["ENGINE"].endswith("sqlite3")
