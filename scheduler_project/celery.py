@@ -70,7 +70,6 @@ def _let_waiters_finish(**_: object) -> None:
         waiters.close_connections()
 
 
-
 # A worker child is one interpreter running many threads: waiter threads that must
 # claim and call at a due time, call threads, and batches writing their outcomes
 # (tens of milliseconds of Python each). Two interpreter settings decide how long a

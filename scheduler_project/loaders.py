@@ -19,6 +19,7 @@ import datetime
 from typing import Any
 
 TIMESTAMPTZ = "timestamptz"
+_LOADERS: dict[str, type] | None = None  # set by connect()
 
 
 def fast_loaders() -> dict[str, type] | None:
@@ -70,5 +71,3 @@ def connect() -> None:
         _LOADERS = None
     connection_created.connect(register, weak=False, dispatch_uid="scheduler_project.loaders")
 
-
-_LOADERS: dict[str, type] | None = None

@@ -414,6 +414,11 @@ SCHEDULER_TASK_BROKER_TRANSPORT_OPTIONS = (
 
 ZOOKEEPER_HOSTS = env_str("ZOOKEEPER_HOSTS")
 
+# The store is a SQLite file (the embedded layout, or a sqlite:// DATABASE_URL): one
+# writer, so its workers wait in the child, with no waiter threads, and the look-ahead
+# that goes with them is shorter.
+STORE_IS_SQLITE = DATABASES["default"]["ENGINE"].endswith("sqlite3")
+
 # The scheduler's own knobs (CONTRACT.md's table, plus a few of ours).
 SCHEDULER_LEASE_SECONDS = env_int("SCHEDULER_LEASE_SECONDS", 60)
 SCHEDULER_SCAN_INTERVAL = float(env_str("SCHEDULER_SCAN_INTERVAL", "1") or 1)
@@ -428,8 +433,7 @@ SCHEDULER_SCAN_INTERVAL = float(env_str("SCHEDULER_SCAN_INTERVAL", "1") or 1)
 # times the CPU a run they spend with 0.5 (docs/performance.md, issue 17).
 # 0.1 on the embedded SQLite file, where a waiting message holds its worker child.
 # 0: off.
-SCHEDULER_LOOKAHEAD = float(env_str("SCHEDULER_LOOKAHEAD", "0.1" if DATABASES["default"]["ENGINE"].endswith("sqlite3")
-                                    else "0.5") or 0)
+SCHEDULER_LOOKAHEAD = float(env_str("SCHEDULER_LOOKAHEAD", "0.1" if STORE_IS_SQLITE else "0.5") or 0)
 if SCHEDULER_LOOKAHEAD < 0:
     raise ImproperlyConfigured(f"SCHEDULER_LOOKAHEAD must be 0 or more seconds, not {SCHEDULER_LOOKAHEAD}")
 SCHEDULER_MISFIRE_GRACE = env_int("SCHEDULER_MISFIRE_GRACE", 60)
@@ -469,7 +473,7 @@ SCHEDULER_WORKER_CALLS = env_int("SCHEDULER_WORKER_CALLS", SCHEDULER_DISPATCH_BA
 # (runs.waiters). Each has its own database connection. 0: the process waits itself;
 # the default on SQLite, whose one writer gains nothing from more threads.
 SCHEDULER_WORKER_WAITERS = env_int(
-    "SCHEDULER_WORKER_WAITERS", 0 if DATABASES["default"]["ENGINE"].endswith("sqlite3") else 4)
+    "SCHEDULER_WORKER_WAITERS", 0 if STORE_IS_SQLITE else 4)
 if SCHEDULER_WORKER_WAITERS < 0:
     raise ImproperlyConfigured(f"SCHEDULER_WORKER_WAITERS must be 0 or more, not {SCHEDULER_WORKER_WAITERS}")
 # Seconds between the GIL's hand-overs in a worker child (sys.setswitchinterval;
