@@ -135,13 +135,17 @@ def _lag_by_10s(calls: list[tuple[float, int]], due: dict[int, tuple[datetime, i
 
 
 def _lag_parts(first: datetime, end: datetime) -> dict[str, dict[str, float]]:
-    """Where the lag goes, from the run rows (the store's clock): due to queued (the scanner)
-    and queued to started (the queue and the claim), for the runs due in the window."""
+    """Where the lag goes, from the run rows (the store's clock): due to queued (the scanner),
+    queued to started (the queue and the claim) and due to started (the wait for the due time
+    and the claim: what is left of the lag is the call's way to the target), for the runs due
+    in the window."""
     from runs.models import Run
 
     rows = Run.objects.filter(due_at__gte=first, due_at__lt=end).values_list("due_at", "queued_at", "started_at")
-    parts: dict[str, list[float]] = {"queued_after_due": [], "started_after_queued": []}
+    parts: dict[str, list[float]] = {"queued_after_due": [], "started_after_queued": [], "started_after_due": []}
     for due_at, queued_at, started_at in rows:
+        if started_at is not None:
+            parts["started_after_due"].append((started_at - due_at).total_seconds())
         if queued_at is not None:
             parts["queued_after_due"].append((queued_at - due_at).total_seconds())
             if started_at is not None:
