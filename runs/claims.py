@@ -464,22 +464,25 @@ def defer(*, run_id: int, due_at: datetime) -> bool:
     return run_id in defer_many(due={run_id: due_at})
 
 
-def defer_many(*, due: dict[int, datetime]) -> dict[int, datetime | None]:
+def defer_many(*, due: dict[int, datetime]) -> dict[int, tuple[datetime | None, datetime]]:
     """`defer` for many runs in two statements, each run to its own `due_at`; returns
-    the runs deferred, each with its `queued_at` as it was (read under the row lock:
-    the deferral's event is stamped no earlier, runs.services._defer_many). A row
-    another transaction holds (a worker claiming it, a scan publishing it again) is
-    skipped, not waited for: it is not this worker's to defer."""
+    the runs deferred, each with its `queued_at` as it was and the store's clock of
+    the statement that locked it (both read under the row lock: the deferral's event
+    is stamped between them, runs.services._defer_many). A row another transaction
+    holds (a worker claiming it, a scan publishing it again) is skipped, not waited
+    for: it is not this worker's to defer."""
     if not due:
         return {}
     nobody_holds_it = Q(status=S.QUEUED) | Q(status=S.RUNNING, lease_expires_at__lt=StoreClock())
     with transaction.atomic():
-        found = dict(
-            Run.objects.filter(nobody_holds_it, pk__in=list(due), held=False)
+        found = {
+            pk: (queued_at, locked_at)
+            for pk, queued_at, locked_at in Run.objects.filter(nobody_holds_it, pk__in=list(due), held=False)
             .select_for_update(skip_locked=True, of=("self",))
             .order_by("pk")
-            .values_list("pk", "queued_at")
-        )
+            .annotate(locked_at=StoreClock())
+            .values_list("pk", "queued_at", "locked_at")
+        }
         if found:
             Run.objects.filter(pk__in=list(found)).update(
                 status=S.SCHEDULED,
@@ -608,7 +611,10 @@ def lock_due(*, partitions: list[int], now: datetime, limit: int) -> "QuerySet[R
                                 output_field=BooleanField()))
     else:  # the embedded SQLite file: small, and no LATERAL
         due = due.filter(partition__in=partitions)
-    return due.order_by("due_at").select_for_update(skip_locked=True, of=("self",))[:limit]
+    # `locked_at`: the store's clock of this statement, which a live scan stamps its
+    # batch no earlier than (scanners.scan.scan_once).
+    return due.order_by("due_at").select_for_update(skip_locked=True, of=("self",)).annotate(
+        locked_at=StoreClock())[:limit]
 
 
 def count_queued(*, partitions: list[int]) -> int:

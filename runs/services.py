@@ -914,12 +914,16 @@ def _defer_many(deferrals: list[tuple[Run, datetime, dict[str, object]]], now: d
     lock-and-read, one update, one insert for them all (claims.defer_many). Returns
     each run's outcome: `reason`, or "not_claimed" for a run someone else holds now.
 
-    Each event is stamped `now` (the wave's clock) or, if later, the run's
-    `queued_at` as read under its row lock: a scan may have published the run again
+    Each event is stamped `now` (the wave's clock), but no later than the store's
+    clock of the statement that locked the run and no earlier than the run's
+    `queued_at` as read under that lock. A scan may have published the run again
     meanwhile (`requeued`, which sets `queued_at`), and the deferral must not be
-    stamped before it. Not the store's clock after the lock: a scan stamps with the
-    clock it read at its start, and one that queues this run again once the deferral
-    has let go of it would then come before it (runs.invariants).
+    stamped before it. Nor after its own commit: `now` is this process's estimate
+    of the store's clock, which can run a few milliseconds ahead, and a scan that
+    queues the run again once the deferral has let go of it stamps no earlier than
+    its locking statement (scanners.scan.scan_once), so the deferral must come
+    first (runs.invariants; a fresh-clone run of tests/reliability/test_restarts.py,
+    2026-12-04: `bulkhead_wait` 8 ms after the `queued` that followed it).
 
     One run at a time (a savepoint, a locked read, an update and an event each), a
     host whose bulkhead was full or whose breaker was open cost its worker about as
@@ -930,11 +934,18 @@ def _defer_many(deferrals: list[tuple[Run, datetime, dict[str, object]]], now: d
     with transaction.atomic():
         prior = claims.defer_many(due={run.pk: due_at for run, due_at, _ in deferrals})
         events.record_many(
-            events.event(run.pk, reason, max(now, prior[run.pk] or now), due_at=delivery.iso_z(due_at), **detail)
+            events.event(run.pk, reason, _defer_stamp(now, *prior[run.pk]), due_at=delivery.iso_z(due_at), **detail)
             for run, due_at, detail in deferrals
             if run.pk in prior
         )
     return {run.pk: reason if run.pk in prior else "not_claimed" for run, _, _ in deferrals}
+
+
+def _defer_stamp(now: datetime, queued_at: datetime | None, locked_at: datetime) -> datetime:
+    """A deferral's time (_defer_many): the wave's clock, within what the run's lock
+    allows: not after the statement that took it, not before the run's last copy."""
+    stamp = min(now, locked_at)
+    return stamp if queued_at is None else max(stamp, queued_at)
 
 
 @dataclass

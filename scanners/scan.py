@@ -74,9 +74,10 @@ def scan_once(
 
     `advance` (a live scan: `now` is the store's clock, read just before): each
     queueing batch, and the republish, decides and stamps at `now` plus the time the
-    scan has taken so far. A scan through a backlog takes several batches and can take
-    seconds, and what it writes must not be stamped before what other writers wrote
-    meanwhile (runs.invariants). Without it every step is at `now` (tests, a given time).
+    scan has taken so far (a queueing batch: no earlier than the store's clock of the
+    statement that locked its rows). A scan through a backlog takes several batches
+    and can take seconds, and what it writes must not be stamped before what other
+    writers wrote meanwhile (runs.invariants). Without it every step is at `now` (tests, a given time).
     `keep_going`: asked before each batch after the first; False ends the scan there
     (its partitions are no longer this scanner's: the lease was lost mid-scan).
     `work`: the probe these partitions were just asked (next_work, at `now`); the
@@ -139,6 +140,12 @@ def scan_once(
                 due = list(
                     claims.lock_due(partitions=parts, now=horizon, limit=limit).select_related("job").only(*DUE_FIELDS)
                 )
+                if advance and due:
+                    # Stamped no earlier than the statement that locked the rows: `at`
+                    # was read before it, and a worker's deferral that let go of a run
+                    # in between is stamped by then (runs.services._defer_many) and
+                    # must come first on its timeline.
+                    at = max(at, due[0].locked_at)
                 queued = _queue_due(due, at, mine, keep_going)
         except _LeaseLost:
             return result  # the batch's writes undone: the partitions' new scanner decides

@@ -105,3 +105,44 @@ def test_a_deferral_is_not_stamped_after_a_scan_that_queues_the_run_again() -> N
     found = [(e.type, e.at) for e in timeline_of(run.pk)]
     assert [t for t, _ in found][-2:] == ["bulkhead_wait", "queued"], found
     assert found[-2][1] == wave_now
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="the store's clock: PostgreSQL")
+def test_a_deferral_by_a_clock_running_ahead_still_comes_before_the_scan_that_queues_the_run_again() -> None:
+    # A fresh-clone run of tests/reliability/test_restarts.py (2026-12-04): a worker's
+    # idea of the store's clock (time.time() plus an offset read across a reconnect)
+    # ran ahead, its `bulkhead_wait` was stamped 8 ms after the `queued` of the scan
+    # that queued the run again once the deferral had let go of it.
+    job = make_job()
+    start = claims.store_now()
+    run = make_run(job, start.replace(microsecond=0) - timedelta(seconds=2), status=Run.Status.QUEUED, queued_at=start)
+    ahead = claims.store_now() + timedelta(seconds=2)  # the wave's clock, two seconds fast
+    got = services._defer_many([(Run.objects.select_related("job").get(pk=run.pk), start - timedelta(seconds=1),
+                                 {"host": "127.0.0.1:9", "limit": 1})], ahead, "bulkhead_wait")
+    assert got == {run.pk: "bulkhead_wait"}
+    result = scan_once(partitions=range(settings.SCHEDULER_PARTITIONS), publish=False, advance=True)
+    assert run.pk in result.queued
+    found = [(e.type, e.at) for e in timeline_of(run.pk)]
+    assert [t for t, _ in found][-2:] == ["bulkhead_wait", "queued"], found
+    assert found[-2][1] < ahead  # no later than the store's clock when it locked the run
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="the store's clock: PostgreSQL")
+def test_a_live_scan_whose_clock_lags_stamps_no_earlier_than_a_deferral_it_found() -> None:
+    # The same race from the scan's side: a live scan's batch clock (its probe's
+    # reading plus the time since) was read before the statement that locks the
+    # rows; a deferral that let go of the run in between is stamped after it.
+    job = make_job()
+    start = claims.store_now()
+    run = make_run(job, start.replace(microsecond=0) - timedelta(seconds=2), status=Run.Status.QUEUED, queued_at=start)
+    scan_now = claims.store_now()  # the scan's probe
+    time.sleep(0.05)
+    wave_now = claims.store_now()
+    got = services._defer_many([(Run.objects.select_related("job").get(pk=run.pk), start - timedelta(seconds=1),
+                                 {"host": "127.0.0.1:9", "limit": 1})], wave_now, "bulkhead_wait")
+    assert got == {run.pk: "bulkhead_wait"}
+    result = scan_once(partitions=range(settings.SCHEDULER_PARTITIONS), now=scan_now, publish=False, advance=True)
+    assert run.pk in result.queued
+    found = [(e.type, e.at) for e in timeline_of(run.pk)]
+    assert [t for t, _ in found][-2:] == ["bulkhead_wait", "queued"], found
+    assert found[-2][1] == wave_now

@@ -15,6 +15,7 @@ import pytest
 import redis
 from django.conf import settings
 from django.db import connection
+from django.db.models import F
 from django.test import override_settings
 
 from jobs.models import Job
@@ -426,9 +427,13 @@ def test_a_live_scan_stamps_each_batch_by_the_time_it_has_taken(service: Any, mo
     # before a deferral written before them (40,336 timeline violations).
     for i in range(12):
         per_minute(service.user, name=f"s{i}")
+    # A live scan stamps no earlier than the store's clock of the statement that locked
+    # its batch: the runs are moved to the store's clock, a second before now.
+    now = claims.store_now()
+    shift = now - (T0 + timedelta(seconds=31))
+    Run.objects.update(due_at=F("due_at") + shift, scheduled_for=F("scheduled_for") + shift)
     ticks = iter(range(100))
     monkeypatch.setattr(scan, "monotonic", lambda: float(next(ticks)))  # a second a reading
-    now = T0 + timedelta(seconds=31)
     result = scan_once(partitions=ALL, now=now, publish=False, advance=True)
     assert len(result.queued) == 12
     stamps = sorted({r.queued_at for r in Run.objects.filter(pk__in=result.queued)})
