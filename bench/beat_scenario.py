@@ -112,7 +112,7 @@ def _beat_side(layout: Layout, args: argparse.Namespace) -> dict[str, float]:
 def _our_side(layout: Layout, args: argparse.Namespace) -> dict[str, float]:
     from bench import load
     from runs.models import Run
-    from runs.timeline import timelines_by_id
+    from bench.timelines import timelines_by_id
 
     target = layout.target(PORT)
     due = _next_minute(lead=30)

@@ -101,12 +101,7 @@ def _holder(run_id: int) -> str:
 
 
 def _second_claim(run_id: int) -> float | None:
-    try:
-        from runs.timeline import timelines_by_id
-    except ImportError:  # a commit before the timeline moved onto the run row (bench/baseline.py): events only
-        from runs.models import RunEvent
+    from bench.timelines import timelines_by_id
 
-        claims = sorted(RunEvent.objects.filter(run_id=run_id, type="claimed").values_list("at", flat=True))
-    else:
-        claims = sorted(e.at for e in timelines_by_id([run_id], types=("claimed",)).get(run_id, []))
+    claims = sorted(e.at for e in timelines_by_id([run_id], types=("claimed",)).get(run_id, []))
     return claims[1].timestamp() if len(claims) >= 2 else None

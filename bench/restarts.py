@@ -146,7 +146,7 @@ def run_records(run_ids: list[int]) -> list[RunRecord]:
     from django.db import close_old_connections
 
     from runs.models import Run
-    from runs.timeline import timelines_by_id
+    from bench.timelines import timelines_by_id
 
     close_old_connections()
     published: dict[int, list[float]] = defaultdict(list)
@@ -161,7 +161,7 @@ def run_records(run_ids: list[int]) -> list[RunRecord]:
 
 
 def events_after(run_ids: list[int], types: tuple[str, ...]) -> dict[str, list[float]]:
-    from runs.timeline import timelines_by_id
+    from bench.timelines import timelines_by_id
 
     found: dict[str, list[float]] = {t: [] for t in types}
     for entries in timelines_by_id(run_ids, types=types).values():
@@ -221,7 +221,7 @@ def latest(records: list[RunRecord], calls: list[tuple[str, int, float]], n: int
 
 def timelines(run_ids: list[int]) -> dict[int, list[tuple[float, str, dict[str, Any]]]]:
     """Each run's events (store time, type, detail), for the JSON to explain a late run."""
-    from runs.timeline import timelines_by_id
+    from bench.timelines import timelines_by_id
 
     found: dict[int, list[tuple[float, str, dict[str, Any]]]] = defaultdict(list)
     for run_id, entries in timelines_by_id(run_ids).items():

@@ -567,7 +567,7 @@ class Soak:
         return bool(found)
 
     def _duplicates_now(self) -> bool:
-        from runs.timeline import timelines_by_id
+        from bench.timelines import timelines_by_id
 
         if self.load_range is not None:
             found = soak_load.recorded_applied_twice()
@@ -882,7 +882,7 @@ class Soak:
 
         from runs import invariants
         from runs.models import BreakerTransition, Run
-        from runs.timeline import timelines_by_id
+        from bench.timelines import timelines_by_id
 
         self.memory.stop()
         measured_at = time.time()
