@@ -77,7 +77,8 @@ def scan_once(
     scan has taken so far (a queueing batch: no earlier than the store's clock of the
     statement that locked its rows). A scan through a backlog takes several batches
     and can take seconds, and what it writes must not be stamped before what other
-    writers wrote meanwhile (runs.invariants). Without it every step is at `now` (tests, a given time).
+    writers wrote meanwhile (runs.invariants). Without it every step is at `now`
+    (tests, a given time).
     `keep_going`: asked before each batch after the first; False ends the scan there
     (its partitions are no longer this scanner's: the lease was lost mid-scan).
     `work`: the probe these partitions were just asked (next_work, at `now`); the

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import threading
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta
+from typing import Any
 
 import pytest
 from django.conf import settings
@@ -97,13 +98,7 @@ def test_a_deferral_is_not_stamped_after_a_scan_that_queues_the_run_again() -> N
     time.sleep(0.02)
     scan_now = claims.store_now()  # the scan's probe
     time.sleep(0.05)
-    got = services._defer_many([(Run.objects.select_related("job").get(pk=run.pk), scan_now - timedelta(seconds=1),
-                                 {"host": "127.0.0.1:9", "limit": 1})], wave_now, "bulkhead_wait")
-    assert got == {run.pk: "bulkhead_wait"}
-    result = scan_once(partitions=range(settings.SCHEDULER_PARTITIONS), now=scan_now, publish=False)
-    assert run.pk in result.queued
-    found = [(e.type, e.at) for e in timeline_of(run.pk)]
-    assert [t for t, _ in found][-2:] == ["bulkhead_wait", "queued"], found
+    found = _deferred_then_queued_again(run, wave_now, scan_now - timedelta(seconds=1), now=scan_now)
     assert found[-2][1] == wave_now
 
 
@@ -117,13 +112,7 @@ def test_a_deferral_by_a_clock_running_ahead_still_comes_before_the_scan_that_qu
     start = claims.store_now()
     run = make_run(job, start.replace(microsecond=0) - timedelta(seconds=2), status=Run.Status.QUEUED, queued_at=start)
     ahead = claims.store_now() + timedelta(seconds=2)  # the wave's clock, two seconds fast
-    got = services._defer_many([(Run.objects.select_related("job").get(pk=run.pk), start - timedelta(seconds=1),
-                                 {"host": "127.0.0.1:9", "limit": 1})], ahead, "bulkhead_wait")
-    assert got == {run.pk: "bulkhead_wait"}
-    result = scan_once(partitions=range(settings.SCHEDULER_PARTITIONS), publish=False, advance=True)
-    assert run.pk in result.queued
-    found = [(e.type, e.at) for e in timeline_of(run.pk)]
-    assert [t for t, _ in found][-2:] == ["bulkhead_wait", "queued"], found
+    found = _deferred_then_queued_again(run, ahead, start - timedelta(seconds=1), advance=True)
     assert found[-2][1] < ahead  # no later than the store's clock when it locked the run
 
 
@@ -138,11 +127,19 @@ def test_a_live_scan_whose_clock_lags_stamps_no_earlier_than_a_deferral_it_found
     scan_now = claims.store_now()  # the scan's probe
     time.sleep(0.05)
     wave_now = claims.store_now()
-    got = services._defer_many([(Run.objects.select_related("job").get(pk=run.pk), start - timedelta(seconds=1),
+    found = _deferred_then_queued_again(run, wave_now, start - timedelta(seconds=1), now=scan_now, advance=True)
+    assert found[-2][1] == wave_now
+
+
+def _deferred_then_queued_again(run: Run, wave_now: datetime, due_at: datetime, **scan: Any) -> list[tuple[str, datetime]]:
+    """`run` deferred by a wave whose clock reads `wave_now` (its host's bulkhead full),
+    then queued again by a scan (`scan`: scan_once's `now`, `advance`); its timeline
+    as (type, at), which ends with the deferral and then the scan's `queued`."""
+    got = services._defer_many([(Run.objects.select_related("job").get(pk=run.pk), due_at,
                                  {"host": "127.0.0.1:9", "limit": 1})], wave_now, "bulkhead_wait")
     assert got == {run.pk: "bulkhead_wait"}
-    result = scan_once(partitions=range(settings.SCHEDULER_PARTITIONS), now=scan_now, publish=False, advance=True)
+    result = scan_once(partitions=range(settings.SCHEDULER_PARTITIONS), publish=False, **scan)
     assert run.pk in result.queued
     found = [(e.type, e.at) for e in timeline_of(run.pk)]
     assert [t for t, _ in found][-2:] == ["bulkhead_wait", "queued"], found
-    assert found[-2][1] == wave_now
+    return found
