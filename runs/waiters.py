@@ -9,7 +9,13 @@ child reads the message's runs, and when the first is not due yet it gives the r
 of the batch (the waits, the claims, the calls, the outcomes) to one of this
 process's waiter threads and takes its next message. A message already due (a
 backlog) is worked in the child as before, and so is one that finds every waiter
-busy: the children's prefetch stays the back-pressure.
+busy: the children's prefetch stays the back-pressure. That is also what spreads
+the work over a worker's children: Celery's prefork parent gives each message to
+the first child that is not busy, and a child that handed its message off is not,
+so with several waiters a process one child took nearly every message and ran most
+batches under its one GIL. With one (the default on PostgreSQL), a child whose
+waiter is busy works its next message itself, and the parent gives the one after
+to another child (tests/integration/test_lookahead.py).
 
 Nothing about a run changes hands: the claim, its fence and its lease are the same
 statements from whichever thread makes them. A child that dies loses what its

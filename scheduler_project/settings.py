@@ -471,9 +471,15 @@ SCHEDULER_WORKER_CALLS = env_int("SCHEDULER_WORKER_CALLS", SCHEDULER_DISPATCH_BA
 # Threads a worker process gives the run messages that must wait for their due times
 # (the look-ahead), so that the process takes its next message meanwhile
 # (runs.waiters). Each has its own database connection. 0: the process waits itself;
-# the default on SQLite, whose one writer gains nothing from more threads.
+# the default on SQLite, whose one writer gains nothing from more threads. 1 on
+# PostgreSQL: Celery's prefork parent gives each message to the first child that is
+# not busy, and a child that hands its message off is not busy, so with more waiters
+# one child took nearly every message and its process ran most batches under one GIL
+# (77 to 88% of the worker's CPU at 900 runs/s); with one, a child whose waiter is
+# busy works its next message itself, and the one after goes to another child
+# (docs/performance.md, issue 17: the worker's children share the work).
 SCHEDULER_WORKER_WAITERS = env_int(
-    "SCHEDULER_WORKER_WAITERS", 0 if STORE_IS_SQLITE else 4)
+    "SCHEDULER_WORKER_WAITERS", 0 if STORE_IS_SQLITE else 1)
 if SCHEDULER_WORKER_WAITERS < 0:
     raise ImproperlyConfigured(f"SCHEDULER_WORKER_WAITERS must be 0 or more, not {SCHEDULER_WORKER_WAITERS}")
 # Seconds between the GIL's hand-overs in a worker child (sys.setswitchinterval;

@@ -136,6 +136,33 @@ def test_a_worker_child_takes_its_next_message_while_an_earlier_one_waits(
         assert Run.objects.get(pk=run.pk).fence == 1
 
 
+def test_messages_that_wait_are_spread_over_the_worker_children(stack: Stack, target: LoopbackTarget) -> None:
+    # Two children and the default waiters (1 a process). Celery's prefork parent gives
+    # each message to the first child that is not busy, and a child that has handed its
+    # message to a waiter is not: with 4 waiters a process one child took every message
+    # here (and at 900 runs/s ran 77 to 88% of the worker's CPU, docs/performance.md).
+    worker = stack.worker("two-children", concurrency=2, SCHEDULER_LOOKAHEAD="4")
+    wait_for(lambda: " ready." in worker.output(), 30, what="the worker to be ready")
+    queue = stack.env["SCHEDULER_RUN_QUEUE"]
+    runs = [queued_ahead(target, f"/spread-{i}", 5) for i in range(4)]
+    for run in runs:
+        # One at a time, as a steady stream's scans publish them: each child has taken
+        # its message (and handed it off, or not) before the next comes.
+        execute_runs.apply_async(([run.pk],), queue=queue)
+        time.sleep(0.5)
+
+    for run in runs:
+        wait_for(lambda r=run: Run.objects.get(pk=r.pk).status == S.SUCCEEDED, 30, what="the run to succeed")
+    # The claim's worker is "node/pid/thread": one process holds two messages at most
+    # (its waiter's and its own), so four messages sent before any is due take both.
+    processes = [events_of(run)["claimed"].detail["worker"].split("/")[1] for run in runs]
+    assert len(set(processes)) == 2, processes
+    assert sorted(processes.count(p) for p in set(processes)) == [2, 2], processes
+    for i, run in enumerate(runs):
+        [call] = target.calls(f"/spread-{i}")
+        assert call.at >= Run.objects.get(pk=run.pk).due_at.timestamp()
+
+
 def test_a_worker_stopped_while_a_waiter_holds_a_message_lets_it_finish(
     stack: Stack, target: LoopbackTarget
 ) -> None:
