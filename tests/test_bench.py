@@ -78,3 +78,20 @@ def test_the_counter_counts_each_statement_a_command_sends(tmp_path: Path) -> No
     one, four = _counted_statements(tmp_path / "one", 1), _counted_statements(tmp_path / "four", 4)
     assert four - one == 3
     assert one >= 1
+
+
+def test_the_partition_experiment_takes_runs_to_succeeded_in_both_shapes(tmp_path: Path) -> None:
+    """bench/partition_wal.py (issue 18, measured before it is built): both shapes take every
+    run from its insert to `succeeded` (the script checks the count), the split one moves
+    each finished run out of the open partition, and its figures are read from the WAL."""
+    if not os.environ.get("DATABASE_URL"):
+        pytest.skip("measures PostgreSQL's WAL")
+    out = tmp_path / "wal.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "partition_wal.py"), "--runs", "400", "--json", str(out)],
+                   check=True, cwd=ROOT, timeout=300, capture_output=True)
+    found = json.loads(out.read_text())
+    today, split = found["today"], found["split"]
+    assert today["runs"] == split["runs"] == 400
+    assert today["wal_records_per_run"] > 10 and split["wal_records_per_run"] > 10
+    # What the split shape is for: a finished run kept once, with two index entries, not nine.
+    assert split["bytes_per_run"] < today["bytes_per_run"]
