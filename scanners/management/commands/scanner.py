@@ -62,7 +62,15 @@ class Command(BaseCommand):
         )
         self.owned: frozenset[int] = frozenset()
         self.rescan = True  # the first turn, and the one after a failed turn, scans in full
-        self.listener = None if once else Listener.for_scanner(leases.identifier, leases.wake)
+        # Which wakes were notifications: only those are paced a scan gap apart (a
+        # change of leases, a stop, is acted on at once).
+        self.notified = threading.Event()
+
+        def notified() -> None:
+            self.notified.set()
+            leases.wake()
+
+        self.listener = None if once else Listener.for_scanner(leases.identifier, notified)
         try:
             while not self.stopping.is_set():
                 turn = time.monotonic()
@@ -73,9 +81,13 @@ class Command(BaseCommand):
                 # after, never before it. Also after a scan (sleep 0): a wake already set
                 # is for work written before the probe that comes next, which sees it.
                 woken = leases.wait(sleep)
-                if woken and sleep > 0:
-                    # Woken early, perhaps by a stream of notifications: probes at most
-                    # a scan gap apart (a run written due at once waits that long at most).
+                by_notice = self.notified.is_set()
+                self.notified.clear()
+                if woken and sleep > 0 and by_notice:
+                    # Woken early by notifications, perhaps a stream of them: probes at
+                    # most a scan gap apart (a run written due at once waits that long at
+                    # most). Not by a change of leases: a partition just taken is scanned
+                    # at once, not up to a gap (half the look-ahead) later.
                     self.stopping.wait(self.pacer.gap - (time.monotonic() - turn))
         finally:
             if self.listener is not None:
