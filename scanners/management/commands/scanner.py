@@ -66,11 +66,11 @@ class Command(BaseCommand):
         # change of leases, a stop, is acted on at once).
         self.notified = threading.Event()
 
-        def notified() -> None:
+        def on_notice() -> None:
             self.notified.set()
             leases.wake()
 
-        self.listener = None if once else Listener.for_scanner(leases.identifier, notified)
+        self.listener = None if once else Listener.for_scanner(leases.identifier, on_notice)
         try:
             while not self.stopping.is_set():
                 turn = time.monotonic()
