@@ -13,18 +13,27 @@ here to the shape of today's (runs/claims.py, scanners/scan.py, runs/services.py
 
 - `today`: `runs` as migrations 0001 to 0012 leave it (`fillfactor = 80`, its nine
   indexes, its foreign key to `jobs`).
+- `hot`: the same one table with nothing indexed that the queueing or the claim
+  changes (a generated `end_status` stands for `status` in every index; one index of
+  the open runs, (partition, held, due_at), for the due read and recovery alike),
+  `fillfactor = 50`: both updates can be HOT, only the outcome writes index entries.
+- `stage`: as `hot`, but the index of open runs tells waiting runs from runs in flight
+  (a generated `stage`), so the queueing still writes entries and only the claim is HOT.
 - `split`: the design in docs/performance.md ("Issue 18's partitions"): the same columns
   and an `ended_key` (`'infinity'` while open), `PARTITION BY RANGE (ended_key)`; an
   open partition with the indexes the hot path reads (its key, the open run per job, the
   due, queued and lease indexes) and a day partition with its key, (job, scheduled_for)
   and the rare statuses'. The outcome's update sets `ended_key`, so PostgreSQL moves the
   row into the day partition in that statement (a delete and an insert).
+- `split_hot`: `split` with `hot`'s open runs: an open partition at `fillfactor = 50`
+  whose two indexes besides its key name no column the queueing or the claim changes.
+- `split_stage`: `split` with `stage`'s open runs (the claim HOT, the queueing not).
 
 Per run it reports the WAL (records whose first block is in the scratch database, and
 the commit records of the same transactions; `pg_walinspect`), with and without
-full-page images, after a `CHECKPOINT` at the start of each shape so both pay the same
+full-page images, after a `CHECKPOINT` at the start of each shape so all pay the same
 first touches; and the bytes the finished runs keep after `VACUUM` (the table and its
-indexes; for `split` the day partition, the open one holding no run at the end).
+indexes; for the split shapes the day partition, the open one holding no run at the end).
 Byte counts do not depend on what else runs on the box; the full-page images do
 (checkpoints).
 """
@@ -97,22 +106,76 @@ CREATE INDEX ON runs_today (partition, queued_at) WHERE status = 'queued';
 CREATE INDEX ON runs_today (status, id DESC) WHERE NOT status = 'succeeded';
 """
 
-SPLIT = f"""
-CREATE TABLE runs_split ({COLUMNS}, ended_key timestamptz NOT NULL DEFAULT 'infinity')
-    PARTITION BY RANGE (ended_key);
-CREATE TABLE runs_split_open PARTITION OF runs_split FOR VALUES FROM ('infinity') TO (MAXVALUE)
-    WITH (fillfactor = 80);
-CREATE TABLE runs_split_day PARTITION OF runs_split FOR VALUES FROM (%(day)s) TO (%(next_day)s);
-ALTER TABLE runs_split_open ADD PRIMARY KEY (id);
-CREATE UNIQUE INDEX ON runs_split_open (job_id) WHERE {OPEN};
-CREATE INDEX ON runs_split_open (partition, due_at) WHERE NOT held AND status = 'scheduled';
-CREATE INDEX ON runs_split_open (partition, queued_at) WHERE status = 'queued';
-CREATE INDEX ON runs_split_open (partition, lease_expires_at) WHERE status = 'running';
-ALTER TABLE runs_split_day ADD PRIMARY KEY (id);
-CREATE UNIQUE INDEX ON runs_split_day (job_id, scheduled_for);
-CREATE INDEX ON runs_split_day (status, id DESC) WHERE {RARE};
-CREATE INDEX ON runs_split_day (id) WHERE handled_at IS NULL AND status = 'dead';
+# `hot`: today's one table, with nothing indexed that the queueing or the claim changes:
+# `end_status` (generated: NULL while open, the status once ended) stands for `status`
+# in every index, the open runs' one index (partition, held, due_at) serves the due
+# read and recovery alike, and the lease and queued indexes are gone; so the scanner's
+# and the claim's updates can be HOT and only the outcome's writes index entries.
+HOT = f"""
+CREATE TABLE runs_hot ({COLUMNS}, end_status varchar(16) GENERATED ALWAYS AS
+    (CASE WHEN status IN ('scheduled', 'queued', 'running') THEN NULL ELSE status END) STORED,
+    PRIMARY KEY (id), UNIQUE (job_id, scheduled_for)) WITH (fillfactor = 50);
+CREATE INDEX ON runs_hot (partition, held, due_at) WHERE end_status IS NULL;
+CREATE UNIQUE INDEX ON runs_hot (job_id) WHERE end_status IS NULL AND NOT detached AND NOT is_backfill;
+CREATE INDEX ON runs_hot (finished_at) WHERE finished_at IS NOT NULL;
+CREATE INDEX ON runs_hot (end_status, id DESC) WHERE end_status <> 'succeeded';
+CREATE INDEX ON runs_hot (id) WHERE handled_at IS NULL AND end_status = 'dead';
 """
+
+# `stage`: today's one table, where only the queueing moves a run between index
+# entries and the claim is HOT: `stage` (generated: `waiting` while scheduled, `flight`
+# while queued or running, the status once ended) stands for `status` in every index,
+# one index of the open runs (partition, stage, due_at) serves the due read and the
+# recovery of runs in flight (lease and queued indexes gone), and no index names a
+# column the claim changes.
+STAGE = f"""
+CREATE TABLE runs_stage ({COLUMNS}, stage varchar(16) GENERATED ALWAYS AS
+    (CASE status WHEN 'scheduled' THEN 'waiting' WHEN 'queued' THEN 'flight' WHEN 'running' THEN 'flight'
+     ELSE status END) STORED,
+    PRIMARY KEY (id), UNIQUE (job_id, scheduled_for)) WITH (fillfactor = 50);
+CREATE INDEX ON runs_stage (partition, stage, due_at) WHERE stage IN ('waiting', 'flight') AND NOT held;
+CREATE UNIQUE INDEX ON runs_stage (job_id) WHERE stage IN ('waiting', 'flight') AND NOT detached AND NOT is_backfill;
+CREATE INDEX ON runs_stage (finished_at) WHERE finished_at IS NOT NULL;
+CREATE INDEX ON runs_stage (stage, id DESC) WHERE stage <> 'succeeded';
+CREATE INDEX ON runs_stage (id) WHERE handled_at IS NULL AND stage = 'dead';
+"""
+
+def _split(name: str, open_fillfactor: int, open_indexes: str, columns: str = "") -> str:
+    return f"""
+CREATE TABLE runs_{name} ({COLUMNS}, ended_key timestamptz NOT NULL DEFAULT 'infinity'{columns})
+    PARTITION BY RANGE (ended_key);
+CREATE TABLE runs_{name}_open PARTITION OF runs_{name} FOR VALUES FROM ('infinity') TO (MAXVALUE)
+    WITH (fillfactor = {open_fillfactor});
+CREATE TABLE runs_{name}_day PARTITION OF runs_{name} FOR VALUES FROM (%(day)s) TO (%(next_day)s);
+ALTER TABLE runs_{name}_open ADD PRIMARY KEY (id);
+{open_indexes.format(table=f"runs_{name}_open")}
+ALTER TABLE runs_{name}_day ADD PRIMARY KEY (id);
+CREATE UNIQUE INDEX ON runs_{name}_day (job_id, scheduled_for);
+CREATE INDEX ON runs_{name}_day (status, id DESC) WHERE {RARE};
+CREATE INDEX ON runs_{name}_day (id) WHERE handled_at IS NULL AND status = 'dead';
+"""
+
+
+# `split`: the open partition keeps today's hot-path indexes (each step non-HOT).
+SPLIT = _split("split", 80, f"""
+CREATE UNIQUE INDEX ON {{table}} (job_id) WHERE {OPEN};
+CREATE INDEX ON {{table}} (partition, due_at) WHERE NOT held AND status = 'scheduled';
+CREATE INDEX ON {{table}} (partition, queued_at) WHERE status = 'queued';
+CREATE INDEX ON {{table}} (partition, lease_expires_at) WHERE status = 'running';""")
+# `split_hot`: the open partition as `hot` has its open runs (it holds nothing else, so
+# no predicate names the status): the queueing and the claim are HOT.
+SPLIT_HOT = _split("split_hot", 50, """
+CREATE UNIQUE INDEX ON {table} (job_id) WHERE NOT detached AND NOT is_backfill;
+CREATE INDEX ON {table} (partition, held, due_at);""")
+# `split_stage`: `split` with `stage`'s open runs: the queueing moves a run from the
+# waiting runs' entries to those in flight, the claim is HOT.
+SPLIT_STAGE = _split("split_stage", 50, """
+CREATE UNIQUE INDEX ON {table} (job_id) WHERE NOT detached AND NOT is_backfill;
+CREATE INDEX ON {table} (partition, stage, due_at) WHERE NOT held;""", columns=""",
+    stage varchar(16) GENERATED ALWAYS AS (CASE status WHEN 'scheduled' THEN 'waiting' WHEN 'queued' THEN 'flight'
+        WHEN 'running' THEN 'flight' ELSE status END) STORED""")
+SHAPES = {"today": TODAY, "hot": HOT, "stage": STAGE, "split": SPLIT, "split_hot": SPLIT_HOT,
+          "split_stage": SPLIT_STAGE}
 
 def _lifecycle(conn: psycopg.Connection, table: str, jobs: list[int], at: datetime, split: bool) -> None:
     """One batch of runs, one per job, from insert to succeeded: four steps, a transaction each.
@@ -145,7 +208,7 @@ def _lifecycle(conn: psycopg.Connection, table: str, jobs: list[int], at: dateti
 
 def _shape(conn: psycopg.Connection, name: str, runs: int, batch: int, db_oid: int) -> dict[str, Any]:
     table = f"runs_{name}"
-    split = name == "split"
+    split = name.startswith("split")
     jobs = list(range(1, batch + 1))
     conn.execute("CHECKPOINT")
     start = conn.execute("SELECT pg_current_wal_lsn()").fetchone()[0]
@@ -164,14 +227,14 @@ def _shape(conn: psycopg.Connection, name: str, runs: int, batch: int, db_oid: i
     finished = conn.execute(f"SELECT count(*) FROM {table} WHERE status = 'succeeded'").fetchone()[0]
     assert finished == done, (name, finished, done)
     if split:  # every finished run moved out of the open partition, in the outcome's statement
-        in_day = conn.execute("SELECT count(*) FROM runs_split_day").fetchone()[0]
-        still_open = conn.execute("SELECT count(*) FROM runs_split_open").fetchone()[0]
+        in_day = conn.execute(f"SELECT count(*) FROM {table}_day").fetchone()[0]
+        still_open = conn.execute(f"SELECT count(*) FROM {table}_open").fetchone()[0]
         assert (in_day, still_open) == (done, 0), (in_day, still_open, done)
     conn.execute(f"VACUUM {table}_day" if split else f"VACUUM {table}")
     if split:
-        conn.execute("VACUUM runs_split_open")
-        kept = conn.execute("SELECT pg_total_relation_size('runs_split_day')").fetchone()[0]
-        open_size = conn.execute("SELECT pg_total_relation_size('runs_split_open')").fetchone()[0]
+        conn.execute(f"VACUUM {table}_open")
+        kept = conn.execute(f"SELECT pg_total_relation_size('{table}_day')").fetchone()[0]
+        open_size = conn.execute(f"SELECT pg_total_relation_size('{table}_open')").fetchone()[0]
     else:
         kept = conn.execute(f"SELECT pg_total_relation_size('{table}')").fetchone()[0]
         open_size = None
@@ -201,18 +264,20 @@ def main() -> int:
             conn.execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect")
             conn.execute("CREATE TABLE jobs (id bigint PRIMARY KEY, name text NOT NULL)")
             conn.execute("INSERT INTO jobs SELECT j, 'job ' || j FROM generate_series(1, %s) AS j", (args.batch,))
-            conn.execute(TODAY)
             day = datetime.now(timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0)
-            conn.execute(SPLIT.replace("%(day)s", f"'{day.isoformat()}'")
-                         .replace("%(next_day)s", f"'{(day + timedelta(days=2)).isoformat()}'"))
+            for ddl in SHAPES.values():
+                conn.execute(ddl.replace("%(day)s", f"'{day.isoformat()}'")
+                             .replace("%(next_day)s", f"'{(day + timedelta(days=2)).isoformat()}'"))
             db_oid = conn.execute("SELECT oid FROM pg_database WHERE datname = %s", (DB,)).fetchone()[0]
-            result = {name: _shape(conn, name, args.runs, args.batch, db_oid) for name in ("today", "split")}
+            result = {name: _shape(conn, name, args.runs, args.batch, db_oid) for name in SHAPES}
     finally:
         with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
             admin.execute(f"DROP DATABASE IF EXISTS {DB}")
-    t, s = result["today"], result["split"]
-    result["ratio_split_to_today"] = {
-        k: round(s[k] / t[k], 3) for k in ("wal_bytes_per_run", "wal_bytes_per_run_without_fpi", "bytes_per_run")}
+    t = result["today"]
+    for shape in list(SHAPES)[1:]:
+        result[f"ratio_{shape}_to_today"] = {
+            k: round(result[shape][k] / t[k], 3)
+            for k in ("wal_bytes_per_run", "wal_bytes_per_run_without_fpi", "bytes_per_run")}
     result["taken"] = {"at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                        "kernel": platform.release(), "load_average": os.getloadavg(),
                        "command": "python bench/partition_wal.py " + f"--runs {args.runs} --batch {args.batch}"}
