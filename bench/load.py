@@ -47,7 +47,7 @@ def defaults_sql(model: Any, given: dict[str, str]) -> tuple[str, str]:
     every other column its model default, so new model fields need no change here."""
     columns, values = [], []
     for f in model._meta.concrete_fields:
-        if f.primary_key:
+        if f.primary_key or getattr(f, "generated", False):  # the store computes a generated column
             continue
         columns.append(f.column)
         if f.column in given:

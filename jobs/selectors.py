@@ -12,7 +12,7 @@ from typing import Any
 from django.db.models import Prefetch, QuerySet
 
 from jobs.models import AuditEntry, Job
-from runs.models import JOBS_OPEN_RUN, Run
+from runs.models import JOBS_OPEN_RUN, Run, with_status
 
 # The statuses `?status=` accepts, in the order the docs list them.
 RUN_STATUSES: tuple[str, ...] = tuple(Run.Status.values)
@@ -59,7 +59,7 @@ def run_get(user: Any, run_id: int) -> Run | None:
 
 def runs_with_status(runs: QuerySet[Run], status: str | None) -> QuerySet[Run]:
     """`?status=` filter; the caller has already checked `status` is one of RUN_STATUSES."""
-    return runs.filter(status=status) if status else runs
+    return runs.filter(with_status(status)) if status else runs
 
 
 def open_run_of(job: Job) -> Run | None:

@@ -13,7 +13,8 @@ from django.utils import timezone
 from runs.models import JOBS_OPEN_RUN, Run
 from scheduler_project import statement_counter
 
-_FIELDS = [f for f in Run._meta.concrete_fields if not f.primary_key]
+# Not the key, nor a column the store generates (Run.stage).
+_FIELDS = [f for f in Run._meta.concrete_fields if not f.primary_key and not getattr(f, "generated", False)]
 COPY_RUNS_SQL = "COPY runs ({}) FROM STDIN".format(", ".join(f.column for f in _FIELDS))
 
 

@@ -18,7 +18,7 @@ from django.db.models import BooleanField, Case, DateTimeField, ExpressionWrappe
 from django.db.models.expressions import Expression, RawSQL
 from django.utils import timezone
 
-from runs.models import ON_ROW_CLAIMED, ON_ROW_QUEUED, Run
+from runs.models import ON_ROW_CLAIMED, ON_ROW_QUEUED, Run, with_status
 
 S = Run.Status
 
@@ -508,7 +508,7 @@ def release_expired_leases(*, partitions: list[int], now: datetime, limit: int) 
     """
     ran_out = Q(lease_expires_at__lt=StoreClock())
     ids = _lock_ids(
-        Run.objects.filter(ran_out, partition__in=partitions, status=S.RUNNING).order_by(
+        Run.objects.filter(ran_out, with_status(S.RUNNING), partition__in=partitions).order_by(
             "lease_expires_at"
         ),
         limit,
@@ -542,7 +542,7 @@ def touch_unclaimed(
         next_copy_at__lt=now
     )
     ids = _lock_ids(
-        Run.objects.filter(partition__in=partitions, status=S.QUEUED, queued_at__lt=cut, due_at__lt=cut)
+        Run.objects.filter(with_status(S.QUEUED), partition__in=partitions, queued_at__lt=cut, due_at__lt=cut)
         .alias(next_copy_at=ExpressionWrapper(
             F("queued_at") + (F("queued_at") - F("due_at")), output_field=DateTimeField()
         ))
@@ -565,11 +565,11 @@ def claimed_up_to(*, partitions: list[int], since: datetime) -> datetime | None:
     partitions' messages lately. Finished runs count too: the load's calls take
     milliseconds, and at 135 runs/s in the soak there were often no running runs at
     the moment of a scan, which put the republish back on its plain cut. Two reads:
-    runs_lease_idx's entries (the runs in flight) and runs_finished_idx's since
-    `since` (SCHEDULER_REQUEUE_AFTER's worth of outcomes)."""
+    runs_due_idx's runs in flight and runs_finished_idx's since `since`
+    (SCHEDULER_REQUEUE_AFTER's worth of outcomes)."""
     mine = Run.objects.filter(partition__in=partitions)
     found = [
-        mine.filter(status=S.RUNNING).aggregate(latest=Max("queued_at"))["latest"],
+        mine.filter(with_status(S.RUNNING)).aggregate(latest=Max("queued_at"))["latest"],
         mine.filter(finished_at__gte=since).aggregate(latest=Max("queued_at"))["latest"],
     ]
     known = [t for t in found if t is not None]
@@ -587,7 +587,7 @@ SELECT d.id
  CROSS JOIN LATERAL (
        SELECT r.id, r.due_at
          FROM runs r
-        WHERE r.partition = p.part AND r.status = 'scheduled' AND NOT r.held AND r.due_at <= %s
+        WHERE r.partition = p.part AND r.stage = 'waiting' AND NOT r.held AND r.due_at <= %s
         ORDER BY r.due_at
         LIMIT %s) d
  ORDER BY d.due_at
@@ -603,7 +603,7 @@ def lock_due(*, partitions: list[int], now: datetime, limit: int) -> "QuerySet[R
     owns them) skips them.
     """
     assert connection.in_atomic_block, "the due read runs inside the scan's transaction"
-    due = Run.objects.filter(status=S.SCHEDULED, held=False, due_at__lte=now)
+    due = Run.objects.filter(with_status(S.SCHEDULED), held=False, due_at__lte=now)
     if connection.vendor == "postgresql":
         # `= ANY(ARRAY(...))`, not `IN (...)`: the ids come as one array, looked up
         # by primary key, which the planner never turns into a scan of the table.
@@ -618,8 +618,9 @@ def lock_due(*, partitions: list[int], now: datetime, limit: int) -> "QuerySet[R
 
 
 def count_queued(*, partitions: list[int]) -> int:
-    """Runs queued and not yet claimed in these partitions (runs_queued_idx)."""
-    return Run.objects.filter(partition__in=partitions, status=S.QUEUED).count()
+    """Runs queued and not yet claimed in these partitions (the runs in flight of
+    runs_due_idx, at most SCHEDULER_MAX_QUEUED and those running)."""
+    return Run.objects.filter(with_status(S.QUEUED), partition__in=partitions).count()
 
 
 def mark_queued(*, run_ids: list[int], now: datetime, on_row: bool = False) -> int:

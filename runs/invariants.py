@@ -17,7 +17,7 @@ from django.db.models import Count
 
 from jobs.public_ids import format_id
 
-from runs.models import JOBS_OPEN_RUN, Run, RunEvent
+from runs.models import JOBS_OPEN_RUN, Run, RunEvent, with_status
 from runs.timeline import ON_ROW_FIELDS, made_by, on_row_entries
 
 S = Run.Status
@@ -146,8 +146,8 @@ def due_runs_settled(*, cutoff: datetime) -> list[str]:
     """Every run due by `cutoff` is terminal or running: not still waiting to be
     queued or claimed, and not running on a lease that ran out with nobody taking it
     over. Held runs (a paused job or target) wait on purpose and are left out."""
-    waiting = Run.objects.filter(status__in=(S.SCHEDULED, S.QUEUED), held=False, due_at__lte=cutoff)
-    orphaned = Run.objects.filter(status=S.RUNNING, lease_expires_at__lt=cutoff)
+    waiting = Run.objects.filter(with_status(S.SCHEDULED, S.QUEUED), held=False, due_at__lte=cutoff)
+    orphaned = Run.objects.filter(with_status(S.RUNNING), lease_expires_at__lt=cutoff)
     problems = [f"run_{pk} is {status}, due at {due:%H:%M:%S}" for pk, status, due in
                 waiting.values_list("pk", "status", "due_at")]
     problems += [f"run_{pk} is running on a lease that ran out at {until:%H:%M:%S}" for pk, until in

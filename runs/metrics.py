@@ -49,7 +49,7 @@ from django.views.decorators.http import require_GET
 
 from jobs.public_ids import format_id
 from runs import rollups
-from runs.models import ROLLUP_LAG_EDGES, Run, RunRollup
+from runs.models import ROLLUP_LAG_EDGES, Run, RunRollup, with_status
 
 S = Run.Status
 LAG_WINDOW = timedelta(minutes=5)
@@ -130,7 +130,7 @@ def late_now_q(now: datetime) -> Q:
     since_sched = SecondsBetween(Value(now, output_field=DateTimeField()), F("scheduled_for"))
     return Q(
         GreaterThan(since_sched, F("job__window_seconds") + grace),
-        status__in=(S.SCHEDULED, S.QUEUED),
+        with_status(S.SCHEDULED, S.QUEUED),
         held=False,
         due_at__lt=now - timedelta(seconds=grace),
     )
@@ -155,7 +155,7 @@ class QueueFigures:
 def queue_figures(now: datetime | None = None) -> QueueFigures:
     """One query over the open runs (runs_status_idx: never the finished ones)."""
     now = now or timezone.now()
-    found = Run.objects.filter(status__in=(S.SCHEDULED, S.QUEUED, S.RUNNING)).aggregate(
+    found = Run.objects.filter(with_status(S.SCHEDULED, S.QUEUED, S.RUNNING)).aggregate(
         n_queued=Count("id", filter=Q(status=S.QUEUED)),
         n_due=Count("id", filter=Q(status=S.SCHEDULED, held=False, due_at__lte=now)),
         n_held=Count("id", filter=Q(held=True, status__in=(S.SCHEDULED, S.QUEUED))),
@@ -167,12 +167,12 @@ def queue_figures(now: datetime | None = None) -> QueueFigures:
 
 
 def due_soon_q(now: datetime) -> Q:
-    return Q(status=S.SCHEDULED, held=False, due_at__gt=now, due_at__lte=now + DUE_SOON)
+    return Q(with_status(S.SCHEDULED), held=False, due_at__gt=now, due_at__lte=now + DUE_SOON)
 
 
 def dead_unhandled_count() -> int:
     """Dead and not handled: a count of runs_dead_unhandled_idx, never of the table."""
-    return Run.objects.filter(status=S.DEAD, handled_at__isnull=True).count()
+    return Run.objects.filter(with_status(S.DEAD), handled_at__isnull=True).count()
 
 
 def breaker_holds(now: datetime | None = None, limit: int = 50) -> list[tuple[str, datetime]]:
@@ -200,7 +200,7 @@ def held_by_breaker_q(holds: list[tuple[str, datetime]]) -> Q:
     latest = max(until for _, until in holds) if holds else now
     return Q(
         on_hosts,
-        status=S.SCHEDULED,
+        with_status(S.SCHEDULED),
         held=False,
         partition__in=list(range(settings.SCHEDULER_PARTITIONS)),
         due_at__gt=now,
@@ -237,9 +237,10 @@ def lag_figures(now: datetime | None = None, window: timedelta = LAG_WINDOW) -> 
 
 
 def _recent_starts(since: datetime) -> QuerySet[Run]:
-    # Found through runs_finished_idx and the running runs (runs_lease_idx): started_at has no index.
-    # A run whose due time moved past its first start (retry, requeue) is left out, as in the histogram.
-    return Run.objects.filter(Q(finished_at__gte=since) | Q(status=S.RUNNING)).filter(
+    # Found through runs_finished_idx and the running runs (runs_status_idx's `flight`): started_at
+    # has no index. A run whose due time moved past its first start (retry, requeue) is left out,
+    # as in the histogram.
+    return Run.objects.filter(Q(finished_at__gte=since) | with_status(S.RUNNING)).filter(
         started_at__gte=since, due_at__lte=F("started_at")
     )
 

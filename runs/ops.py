@@ -39,7 +39,7 @@ from jobs.models import Job
 from jobs.validators import CELERY_KEY_PREFIX, target_host, validate_queue
 from runs import events
 from runs.delivery import iso_z
-from runs.models import PausedTarget, Run, RunEvent
+from runs.models import PausedTarget, Run, RunEvent, with_status
 from runs.services import is_held
 
 S = Run.Status
@@ -95,7 +95,7 @@ def dead_runs(
     *, job_id: int | None = None, host: str | None = None, since: datetime | None = None, until: datetime | None = None
 ) -> QuerySet[Run]:
     """Dead runs, oldest death first; `since`/`until` bound when they died (finished_at)."""
-    runs = Run.objects.filter(status=S.DEAD)
+    runs = Run.objects.filter(with_status(S.DEAD))
     if job_id is not None:
         runs = runs.filter(job_id=job_id)
     if host is not None:
@@ -226,7 +226,7 @@ def runs_mark_handled(
 ) -> int:
     """Dead runs someone has dealt with; runs already handled keep their first mark."""
     now = now or timezone.now()
-    marked = list(runs.filter(status=S.DEAD, handled_at__isnull=True).select_for_update(of=("self",)))
+    marked = list(runs.filter(with_status(S.DEAD), handled_at__isnull=True).select_for_update(of=("self",)))
     Run.objects.filter(pk__in=[r.pk for r in marked]).update(handled_at=now, handled_by=actor_name(actor)[:150])
     for run in marked:
         audit_record(actor=actor, via=via, action="handled", obj=run, at=now)
@@ -245,7 +245,7 @@ class HoldResult:
 
 
 def _waiting_runs(host: str) -> QuerySet[Run]:
-    return Run.objects.filter(target_host_q(host, prefix="job__"), status__in=(S.SCHEDULED, S.QUEUED))
+    return Run.objects.filter(target_host_q(host, prefix="job__"), with_status(S.SCHEDULED, S.QUEUED))
 
 
 @transaction.atomic

@@ -174,11 +174,13 @@ def scan_once(
 #
 # What an idle scanner asks on each wake, in one statement: the store's clock and,
 # in its partitions, the earliest time of each kind of work a scan does. Each part
-# is an index read that stops at its first row: the earliest due run per partition
-# (runs_due_idx, read per partition as DUE_IDS_SQL does), the earliest lease end
-# (runs_lease_idx) and the oldest queued run (runs_queued_idx) likewise, the
-# earliest resume time of a paused job (jobs_paused_until_idx, which holds only
-# jobs with a resume time), and for the scanner of partition 0 the earliest pending
+# is an index read: the earliest due run per partition (runs_due_idx's waiting runs,
+# read per partition as DUE_IDS_SQL does, stopping at the first), the earliest lease
+# end and the oldest queued run (runs_due_idx's runs in flight: every one of them in
+# the partition, at most SCHEDULER_MAX_QUEUED and those running; no index orders
+# them by either time, since the claim, which sets both, writes no index entry), the
+# earliest resume time of a paused job (jobs_paused_until_idx, which holds only jobs
+# with a resume time), and for the scanner of partition 0 the earliest pending
 # notice (notices_due_idx). docs/performance.md has their plans at 10^5 rows.
 _EARLIEST_PER_PARTITION = """(SELECT min(e.t)
           FROM unnest(%s::integer[]) AS p(part)
@@ -188,9 +190,9 @@ _EARLIEST_PER_PARTITION = """(SELECT min(e.t)
                 ORDER BY r.{column} LIMIT 1) e)"""
 NEXT_WORK_SQL = f"""
 SELECT clock_timestamp(),
-       {_EARLIEST_PER_PARTITION.format(column="due_at", where="r.status = 'scheduled' AND NOT r.held")},
-       {_EARLIEST_PER_PARTITION.format(column="lease_expires_at", where="r.status = 'running'")},
-       {_EARLIEST_PER_PARTITION.format(column="queued_at", where="r.status = 'queued'")},
+       {_EARLIEST_PER_PARTITION.format(column="due_at", where="r.stage = 'waiting' AND NOT r.held")},
+       {_EARLIEST_PER_PARTITION.format(column="lease_expires_at", where="r.stage = 'flight' AND r.status = 'running'")},
+       {_EARLIEST_PER_PARTITION.format(column="queued_at", where="r.stage = 'flight' AND r.status = 'queued'")},
        (SELECT j.paused_until FROM jobs j
          WHERE j.paused_until IS NOT NULL AND j.paused AND j.id %% %s = ANY(%s::integer[])
          ORDER BY j.paused_until LIMIT 1),

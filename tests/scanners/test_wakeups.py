@@ -12,6 +12,7 @@ from typing import Any
 import psycopg
 import pytest
 from django.db import connection
+from django.db.models import Min
 from django.test import override_settings
 
 from jobs.models import Job
@@ -188,17 +189,25 @@ def fill(rows: int) -> None:
 @on_postgresql
 @pytest.mark.django_db(transaction=True)
 def test_each_part_of_the_probe_is_a_read_of_its_own_index_at_a_hundred_thousand_rows() -> None:
+    """The earliest due run is the first entry of runs_due_idx's waiting runs (no sort);
+    the earliest lease and queued times are read from its runs in flight, all of them
+    (no index orders them by those times: the claim that sets them writes no index
+    entry), so those two parts sort what they read and nothing reads the table."""
     fill(100_000)
     for parts in (list(range(16)), [3, 7]):
         with connection.cursor() as cursor:
             cursor.execute("EXPLAIN (COSTS OFF) " + NEXT_WORK_SQL, [parts, parts, parts, 16, parts, True])
             plan = "\n".join(row[0] for row in cursor.fetchall())
-        for index in ("runs_due_idx", "runs_lease_idx", "runs_queued_idx", "jobs_paused_until_idx", "notices_due_idx"):
+        for index in ("runs_due_idx", "jobs_paused_until_idx", "notices_due_idx"):
             assert index in plan, plan
-        assert "Seq Scan" not in plan and "Sort" not in plan, plan
+        assert plan.count("->  Sort") <= 2, plan
+        assert "Seq Scan" not in plan, plan
         work = next_work(parts, notices=True)
-        scheduled = Run.objects.filter(partition__in=parts, status=S.SCHEDULED, held=False).order_by("due_at")
+        mine = Run.objects.filter(partition__in=parts)
+        scheduled = mine.filter(status=S.SCHEDULED, held=False).order_by("due_at")
         assert work.due == scheduled.values_list("due_at", flat=True).first()
+        assert work.lease == mine.filter(status=S.RUNNING).aggregate(t=Min("lease_expires_at"))["t"]
+        assert work.queued == mine.filter(status=S.QUEUED).aggregate(t=Min("queued_at"))["t"]
         assert work.resume == T0 + timedelta(days=8) and work.notices == T0 + timedelta(days=9)
 
 
