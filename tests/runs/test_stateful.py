@@ -36,7 +36,7 @@ Run it longer with `--hypothesis-profile=long` (tests/conftest.py registers the 
 """
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from datetime import date, datetime, timedelta
 from typing import Any, Iterator
@@ -78,7 +78,7 @@ from jobs.services import (
 )
 from runs import claims
 from runs import services as run_services
-from runs.models import JOBS_OPEN_RUN, Run, RunEvent
+from runs.models import JOBS_OPEN_RUN, Run, RunEvent, kept_for_of
 from runs.timeline import timelines
 from runs.services import Call, lease_length, run_claim_many, run_execute_many, run_record_outcomes
 from scanners.scan import scan_once
@@ -209,13 +209,19 @@ class ModelJob:
         return [policy for mark, policy in self.overlaps if mark < event_id][-1]
 
     def ended(self, outcome: str, scheduled_for: datetime) -> None:
-        """A normal run of the job ended (its outcome landed): pause_after_failures, after
-        a dead one, when the job's latest `limit` runs that ran (by time) all ended dead."""
-        if outcome not in ("succeeded", "dead"):
-            return
-        self.policy_at_end[scheduled_for] = self.overlaps[-1][1]
-        self.ran.append((scheduled_for, outcome))
-        if outcome == "dead":
+        self.ended_together([(outcome, scheduled_for)])
+
+    def ended_together(self, outcomes: list[tuple[str, datetime]]) -> None:
+        """Normal runs of the job ended, their outcomes written in one transaction (a
+        worker's batch): pause_after_failures, when one of them is dead, once the batch
+        has landed, if the job's latest `limit` runs that ran (by time) all ended dead.
+        As the store: it judges the batch's dead runs after writing all its outcomes, so
+        a later run that succeeded in the same batch keeps the job running."""
+        ran = [(t, outcome) for outcome, t in outcomes if outcome in ("succeeded", "dead")]
+        for t, outcome in ran:
+            self.policy_at_end[t] = self.overlaps[-1][1]
+            self.ran.append((t, outcome))
+        if any(outcome == "dead" for _, outcome in ran):
             limit = self.pause_after_failures
             latest = [o for _, o in sorted(self.ran)[-limit:]] if limit else []
             if limit and len(latest) == limit and set(latest) == {"dead"} and not (self.paused or self.deleted) \
@@ -547,9 +553,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         for start in range(0, len(ids), size):
             outcomes = run_execute_many(run_ids=ids[start : start + size], worker="batch-worker")
             assert set(outcomes.values()) <= WORKER_OUTCOMES, outcomes
+            # One transaction for the batch's outcomes: each job's judged once it landed.
+            by_job: dict[int, list[tuple[str, datetime]]] = defaultdict(list)
             for run_id, outcome in outcomes.items():
                 if run_id in normal:
-                    self.model[normal[run_id][0]].ended(outcome, normal[run_id][1])
+                    by_job[normal[run_id][0]].append((outcome, normal[run_id][1]))
+            for job_key, ended in by_job.items():
+                self.model[job_key].ended_together(ended)
 
     @rule(many=st.booleans())
     def claim(self, many: bool) -> None:
@@ -631,9 +641,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         for run in (r for job_rows in rows.values() for r in job_rows):
             check_lease(run, timeline.get(run.pk, []), now)
             check_fences(run, timeline.get(run.pk, []))
+            check_kept_for(run)
 
 
 # --------------------------------------------------------------------------- the invariants, one each
+
+
+def check_kept_for(run: Run) -> None:
+    """The history's key follows the status, whichever path wrote the row (the store's
+    trigger keeps it on updates that do not name it; issue 18)."""
+    want = kept_for_of(run.status, run.scheduled_for)
+    assert run.kept_for == want, f"{run.public_id} is {run.status} with kept_for {run.kept_for}, not {want}"
 
 
 def check_state(mj: ModelJob, job: Job, state: str) -> None:
@@ -994,6 +1012,31 @@ def test_the_model_follows_allow_runs_side_by_side_that_end_out_of_order(target:
     assert Run.objects.filter(detached=True).count() == 3
     assert Job.objects.get().paused
     assert AuditEntry.objects.filter(actor="scheduler", action="paused").count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(SCHEDULER_BREAKER_FAILURES=10**6, SCHEDULER_MISFIRE_GRACE=60, SCHEDULER_LEASE_SECONDS=60)
+def test_the_model_judges_pause_after_failures_once_a_workers_batch_has_landed(target: ChosenAnswerTarget) -> None:
+    """Found by the model (2026-12-05): overlap allow, pause_after_failures 1, no retries.
+    Two runs are claimed by a slow worker whose leases then run out; the next worker's
+    batch finds both out of tries (dead: leases lost) and calls the job's next run, which
+    succeeds. The store writes the batch's outcomes in one transaction and then judges the
+    job: its latest run by time succeeded, so it keeps running. The model judged each dead
+    run as it came and paused the job."""
+    owner, _ = service_account_ensure(name="stateful", email="stateful@example.test")
+    replay(owner, target, [
+        ("first_job", {**FIRST_JOB, "cron": "*/5 * * * *", "overlap": "allow", "failures": 1, "retries": 0}),
+        *[("lease_expiry", {})] * 5,
+        ("claim", {"many": False}),
+        ("claim", {"many": False}),
+        ("worker_batch", {"answer": "ok"}),
+    ])
+    dead = Run.objects.filter(status=S.DEAD, last_error__contains="leases lost")
+    assert dead.count() == 2
+    latest = Run.objects.filter(status__in=[S.SUCCEEDED, S.DEAD]).order_by("-scheduled_for").first()
+    assert latest is not None and latest.status == S.SUCCEEDED
+    assert not Job.objects.get().paused
+    assert not AuditEntry.objects.filter(actor="scheduler", action="paused").exists()
 
 
 @pytest.mark.django_db(transaction=True)
