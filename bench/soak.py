@@ -952,6 +952,7 @@ class Soak:
                                         window_s=self.args.load_window, cutoff=cutoff, steady=steady)
         violations = {
             "one open run per job": invariants.one_open_run_per_job(),
+            "kept_for follows the status": invariants.kept_for_rule(),
             "timelines in order": invariants.timelines(),
             "due runs terminal or running": invariants.due_runs_settled(cutoff=cutoff),
             "succeeded runs applied": invariants.succeeded_runs_applied(applied),

@@ -13,11 +13,11 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import connection, transaction
-from django.db.models import Count
+from django.db.models import Count, F
 
 from jobs.public_ids import format_id
 
-from runs.models import JOBS_OPEN_RUN, Run, RunEvent, with_status
+from runs.models import JOBS_OPEN_RUN, OPEN_KEPT_FOR, Run, RunEvent, with_status
 from runs.timeline import ON_ROW_FIELDS, made_by, on_row_entries
 
 S = Run.Status
@@ -57,6 +57,17 @@ def one_open_run_per_job() -> list[str]:
         .filter(n__gt=1)
     )
     return [f"job_{r['job_id']} has {r['n']} open runs" for r in rows]
+
+
+def kept_for_rule() -> list[str]:
+    """Every run's kept_for (the history's key) follows its status: OPEN_KEPT_FOR while
+    open, its scheduled_for once ended (runs.models.kept_for_of). The store keeps it (a
+    trigger; on PostgreSQL a check constraint too): a violation means that broke."""
+    wrong = Run.objects.filter(status__in=Run.OPEN).exclude(kept_for=OPEN_KEPT_FOR).union(
+        Run.objects.exclude(status__in=Run.OPEN).exclude(kept_for=F("scheduled_for"))
+    )
+    return [f"{format_id('run', pk)} is {status} with kept_for {kept_for:%Y-%m-%dT%H:%M:%SZ}"
+            for pk, status, kept_for in wrong.values_list("pk", "status", "kept_for")]
 
 
 def timelines(run_ids: Iterable[int] | None = None) -> list[str]:

@@ -1,6 +1,8 @@
 """The run: one execution of a job at one scheduled time, and its timeline."""
 from __future__ import annotations
 
+from datetime import datetime, timezone as dt_timezone
+
 from django.conf import settings
 from django.db import models
 from django.utils import timezone
@@ -8,6 +10,29 @@ from django.utils.functional import cached_property
 
 from jobs.models import Job
 from jobs.public_ids import format_id
+
+
+# Run.kept_for of an open run: past any scheduled time, so that the open runs sit
+# apart from the history of ended ones (docs/performance.md, "Issue 18, step 3").
+OPEN_KEPT_FOR = datetime(9999, 12, 31, tzinfo=dt_timezone.utc)
+_OPEN_STATUSES = ("scheduled", "queued", "running")
+
+
+def kept_for_of(status: str, scheduled_for: datetime) -> datetime:
+    """The rule the store keeps (migration runs 0014): OPEN_KEPT_FOR while a run is
+    open, its scheduled time once it has ended."""
+    return OPEN_KEPT_FOR if status in _OPEN_STATUSES else scheduled_for
+
+
+class KeptForField(models.DateTimeField):
+    """Run.kept_for, computed from the row on every insert and save (bulk ones too:
+    Django asks pre_save of each field of each row). An UPDATE that names `status`
+    or `scheduled_for` without it is kept right by the store's own trigger."""
+
+    def pre_save(self, model_instance: models.Model, add: bool) -> datetime:
+        value = kept_for_of(model_instance.status, model_instance.scheduled_for)
+        setattr(model_instance, self.attname, value)
+        return value
 
 
 class Run(models.Model):
@@ -77,6 +102,13 @@ class Run(models.Model):
     # is a HOT update: a new version on the same page and no index entry (an index
     # names a column also by its predicate). Only the queueing and the end move a run
     # between index entries (docs/performance.md, "Issue 18").
+    # The history's key (issue 18): OPEN_KEPT_FOR while the run is open, its
+    # scheduled_for once it has ended (kept_for_of). Not a generated column, which
+    # PostgreSQL does not take as a partition key: the model computes it on insert
+    # and save, the store's trigger on any other update (migration runs 0014), and
+    # on PostgreSQL a check constraint refuses a row that breaks the rule.
+    kept_for = KeptForField(default=OPEN_KEPT_FOR)
+
     stage = models.GeneratedField(
         expression=models.Case(
             models.When(status="scheduled", then=models.Value("waiting")),
@@ -147,6 +179,8 @@ class Run(models.Model):
 
         return timeline(self)
 
+
+assert set(Run.OPEN) == set(_OPEN_STATUSES)
 
 # The job's own open run, the one runs_one_open_run_per_job keeps to one: scheduled,
 # queued or running, not an extra run (a backfill, run-now, a requeued dead run) and not

@@ -133,7 +133,7 @@ def verdict(run_ids: list[int], target: CountingTarget, *, once_per_key: bool) -
         timeline[run_id] += [(e.at, e.type, e.detail or {}) for e in found]
     applied = target.applied()
     sent = target.calls_per_key()
-    violations = (invariants.one_open_run_per_job() + invariants.timelines(run_ids)
+    violations = (invariants.one_open_run_per_job() + invariants.kept_for_rule() + invariants.timelines(run_ids)
                   + invariants.due_runs_settled(cutoff=datetime.now(timezone.utc))
                   + invariants.succeeded_runs_applied(applied, run_ids))
     return {
