@@ -11,8 +11,8 @@ row that breaks the rule, so a writer that gets it wrong fails loudly.
 
 Cost: adding the column with a default writes nothing (PostgreSQL 11+ keeps the
 default for the rows already there); setting it on the ended runs rewrites each
-ended row once, under the migration's lock on them (a full-table UPDATE: seconds
-for a million runs, minutes for tens of millions).
+ended row once, under the migration's lock on them (a full-table UPDATE, in one
+transaction; its time on a big table is not measured yet).
 """
 from django.db import migrations
 
