@@ -682,6 +682,8 @@ def zookeeper_owners() -> dict[str, list[int]]:
                 continue  # its session ended while we were reading
             owners[child] = partitions_in(parse_record(data))
         return owners
+    except Exception as exc:  # the link lost after start(): kazoo's ConnectionLoss, or its handler's timeout
+        raise CoordinatorUnavailable(f"ZooKeeper {settings.ZOOKEEPER_HOSTS}: {type(exc).__name__} {exc}") from exc
     finally:
         client.stop()
         client.close()

@@ -518,3 +518,42 @@ def test_local_leases_give_up_a_lock_file_that_was_deleted(settings, tmp_path: P
     finally:
         first.stop()
         second.stop()
+
+
+@pytest.mark.zookeeper
+@needs_zookeeper
+def test_partition_owners_says_unavailable_when_the_link_goes_dark_after_it_connected(
+    zk_settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by the soak (2026-12-05): /metrics answered 500 once while ZooKeeper went
+    away, because partition_owners turned only a failed connect into
+    CoordinatorUnavailable, not a read that lost its link after connecting. A real
+    ZooKeeper behind a proxy that goes dark the moment the client is connected; the
+    hook only times the cut."""
+    from kazoo.protocol.states import KazooState
+
+    from scanners import coordination
+    from tests.netproxy import NetProxy
+
+    port = int(ZK_HOSTS.split(",")[0].rsplit(":", 1)[1])
+    proxy = NetProxy(upstream_port=port).start()
+    made = coordination.new_kazoo_client
+
+    def cut(state: Any) -> None:
+        if state == KazooState.CONNECTED:
+            proxy.drop()
+
+    def cut_once_connected(hosts: str) -> KazooClient:
+        client = made(hosts)
+        client.add_listener(cut)
+        return client
+
+    monkeypatch.setattr(coordination, "new_kazoo_client", cut_once_connected)
+    zk_settings.ZOOKEEPER_HOSTS = proxy.address
+    zk_settings.SCHEDULER_ZK_SESSION_TIMEOUT = 2.0
+    try:
+        with pytest.raises(coordination.CoordinatorUnavailable, match="ZooKeeper"):
+            partition_owners()
+        assert proxy.dropping
+    finally:
+        proxy.stop()
