@@ -45,6 +45,8 @@ def insert_jobs(*, count: int, schedule_expr: str, target: str, window_seconds: 
 def defaults_sql(model: Any, given: dict[str, str]) -> tuple[str, str]:
     """(column list, select list) for INSERT ... SELECT: `given` columns as SQL expressions,
     every other column its model default, so new model fields need no change here."""
+    from runs.models import OPEN_KEPT_FOR, Run
+
     columns, values = [], []
     for f in model._meta.concrete_fields:
         if f.primary_key or getattr(f, "generated", False):  # the store computes a generated column
@@ -52,6 +54,13 @@ def defaults_sql(model: Any, given: dict[str, str]) -> tuple[str, str]:
         columns.append(f.column)
         if f.column in given:
             values.append(given[f.column])
+            continue
+        if f.column == "kept_for" and model is Run:
+            # The history's key follows the row's status and time (Run.kept_for): the
+            # store's check refuses an ended run inserted with the open run's default.
+            status = given.get("status", f"'{Run.Status.SCHEDULED}'")
+            values.append(f"CASE WHEN ({status}) IN ('scheduled', 'queued', 'running') "
+                          f"THEN '{OPEN_KEPT_FOR.isoformat()}'::timestamptz ELSE ({given['scheduled_for']}) END")
             continue
         default = f.get_default()
         if default is None:
