@@ -59,7 +59,8 @@ def defaults_sql(model: Any, given: dict[str, str]) -> tuple[str, str]:
             # The history's key follows the row's status and time (Run.kept_for): the
             # store's check refuses an ended run inserted with the open run's default.
             status = given.get("status", f"'{Run.Status.SCHEDULED}'")
-            values.append(f"CASE WHEN ({status}) IN ('scheduled', 'queued', 'running') "
+            open_statuses = ", ".join(f"'{s}'" for s in Run.OPEN)
+            values.append(f"CASE WHEN ({status}) IN ({open_statuses}) "
                           f"THEN '{OPEN_KEPT_FOR.isoformat()}'::timestamptz ELSE ({given['scheduled_for']}) END")
             continue
         default = f.get_default()

@@ -15,13 +15,12 @@ from jobs.public_ids import format_id
 # Run.kept_for of an open run: past any scheduled time, so that the open runs sit
 # apart from the history of ended ones (docs/performance.md, "Issue 18, step 3").
 OPEN_KEPT_FOR = datetime(9999, 12, 31, tzinfo=dt_timezone.utc)
-_OPEN_STATUSES = ("scheduled", "queued", "running")
 
 
 def kept_for_of(status: str, scheduled_for: datetime) -> datetime:
     """The rule the store keeps (migration runs 0014): OPEN_KEPT_FOR while a run is
-    open, its scheduled time once it has ended."""
-    return OPEN_KEPT_FOR if status in _OPEN_STATUSES else scheduled_for
+    open (Run.OPEN), its scheduled time once it has ended."""
+    return OPEN_KEPT_FOR if status in Run.OPEN else scheduled_for
 
 
 class KeptForField(models.DateTimeField):
@@ -179,8 +178,6 @@ class Run(models.Model):
 
         return timeline(self)
 
-
-assert set(Run.OPEN) == set(_OPEN_STATUSES)
 
 # The job's own open run, the one runs_one_open_run_per_job keeps to one: scheduled,
 # queued or running, not an extra run (a backfill, run-now, a requeued dead run) and not
