@@ -124,7 +124,7 @@ def accounting(*, lo: int, hi: int, first: datetime, window_s: int, cutoff: date
                percentile_disc(0.5) WITHIN GROUP (ORDER BY late)
         FROM (SELECT extract(epoch FROM min(e.at) - (r.scheduled_for + make_interval(secs => %s))) AS late
               FROM runs r JOIN """ + TIMELINE + """ e ON e.run_id = r.id AND e.type = 'claimed'
-              WHERE r.job_id BETWEEN %s AND %s AND r.scheduled_for <= %s GROUP BY r.id) x""",
+              WHERE r.job_id BETWEEN %s AND %s AND r.scheduled_for <= %s GROUP BY r.id, r.scheduled_for) x""",
                 [window_s, lo, hi, last])
     throughput: dict[str, Any] = {}
     if steady is not None:

@@ -6,19 +6,21 @@ has a lower fence than the run's, so none of its writes can match.
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
-from typing import Any
+from typing import Any, TypeVar
 
-from django.db import connection, transaction
+from django.db import OperationalError, connection, transaction
 from django.db.models import BooleanField, Case, DateTimeField, ExpressionWrapper, F, Max, Q, QuerySet, Value, When
 from django.db.models.expressions import Expression, RawSQL
 from django.utils import timezone
 
-from runs.models import ON_ROW_CLAIMED, ON_ROW_QUEUED, Run, with_status
+from runs.models import ON_ROW_CLAIMED, ON_ROW_QUEUED, OPEN_KEPT_FOR_SQL, Run, with_status
 
 S = Run.Status
 
@@ -175,6 +177,45 @@ def _claim_sql(template: str, lease: timedelta) -> tuple[str, list[object], list
     return template.format(now=now_sql, until=until_sql), until_params, now_params
 
 
+def _moved_away(error: BaseException) -> bool:
+    return getattr(getattr(error, "__cause__", None), "sqlstate", None) == "40001" and (
+        "moved to another partition" in str(error)
+    )
+
+
+T = TypeVar("T")
+
+# How often a write whose row was moved under it is made again (each time another
+# transaction moved one of its rows and committed: a batch meets a few at most).
+MOVED_TRIES = 5
+
+
+def again_if_moved(write: Callable[..., T]) -> Callable[..., T]:
+    """Make `write` again, in a savepoint of its own, when a row it waited for was moved
+    between the store's partitions by the transaction it waited for (migration runs
+    0015: ending a run moves it into the history, a requeue moves it back).
+
+    In one table the waiting statement re-checked its WHERE against the row's new
+    version; across partitions PostgreSQL raises "tuple to be locked was already moved
+    to another partition due to concurrent update" (SQLSTATE 40001) instead. The
+    transaction that moved it has committed, so the write made again reads the row
+    where it is now and decides as before: a heartbeat or a claim of a run that ended
+    takes nothing (tests/runs/test_moved_rows.py)."""
+
+    @functools.wraps(write)
+    def made_again(*args: Any, **kwargs: Any) -> T:
+        for tries_left in range(MOVED_TRIES - 1, -1, -1):
+            try:
+                with transaction.atomic():
+                    return write(*args, **kwargs)
+            except OperationalError as e:
+                if not tries_left or not _moved_away(e):
+                    raise
+        raise AssertionError("unreachable")
+
+    return made_again
+
+
 def claim(*, run_id: int, worker: str, lease: timedelta) -> Claim | None:
     """Take the run's lease. None means someone else has it, or it is not due yet
     by the store's clock (see claim_many)."""
@@ -191,6 +232,7 @@ def claim_many(*, run_ids: list[int], worker: str, lease: timedelta, sent_at: da
     return claim_many_clocked(run_ids=run_ids, worker=worker, lease=lease, sent_at=sent_at)[0]
 
 
+@again_if_moved
 def claim_many_clocked(
     *, run_ids: list[int], worker: str, lease: timedelta, sent_at: datetime | None = None
 ) -> tuple[list[Claim], datetime]:
@@ -233,7 +275,8 @@ def _claim_ids(run_ids: list[int], worker: str, lease: timedelta, sent_at: datet
         # One array, not a placeholder a run: the statement's text is the same for every
         # batch, so the driver splits it once (a query of hundreds of placeholders is
         # parsed again on every call, a fair share of a worker's time at full load).
-        template = template.replace("WHERE id = %s", "WHERE id = ANY(%s::bigint[])")
+        # The open runs' partition by name (runs.models.OPEN_KEPT_FOR_SQL).
+        template = template.replace("WHERE id = %s", f"WHERE id = ANY(%s::bigint[]) AND kept_for = {OPEN_KEPT_FOR_SQL}")
         ids: list[object] = [list(run_ids)]
     else:
         template = template.replace("WHERE id = %s", "WHERE id IN ({})".format(", ".join(["%s"] * len(run_ids))))
@@ -311,9 +354,9 @@ UPDATE runs AS r
   FROM unnest(%s::bigint[], %s::bigint[], %s::varchar[], %s::timestamptz[], %s::timestamptz[], %s::text[],
               %s::smallint[], %s::smallint[], %s::integer[])
        AS v(id, fence, status, finished_at, due_at, error, on_row, answer, duration_ms)
- WHERE r.id = v.id AND r.fence = v.fence AND r.status = 'running'
+ WHERE r.id = v.id AND r.fence = v.fence AND r.status = 'running' AND r.kept_for = {open}
 RETURNING r.id, r.fence = v.fence
-"""
+""".format(open=OPEN_KEPT_FOR_SQL)
 # The entries go on the row only under the row's own fence (r.fence = v.fence, always
 # true where the fence is checked): an on-row entry says the row's fence, so a write
 # the deliberate bug lets through under an older one is told by rows (its own fence).
@@ -326,6 +369,7 @@ def record_outcomes(outcomes: list[Outcome]) -> set[int]:
     return record_outcomes_on_row(outcomes)[0]
 
 
+@again_if_moved
 def record_outcomes_on_row(outcomes: list[Outcome]) -> tuple[set[int], set[int]]:
     """record_outcomes, and the runs whose outcome put its timeline entries on the row
     (Outcome.on_row: only under the row's own fence)."""
@@ -410,6 +454,7 @@ def detach_many(*, fences: dict[int, int]) -> list[int]:
     return ids
 
 
+@again_if_moved
 def heartbeat(*, run_id: int, fence: int, lease: timedelta) -> bool:
     """Extend the lease, in the store's clock. False means the lease was taken over
     (or the run ended)."""
@@ -419,6 +464,7 @@ def heartbeat(*, run_id: int, fence: int, lease: timedelta) -> bool:
     )
 
 
+@again_if_moved
 def finish(
     *, run_id: int, fence: int, status: str, now: datetime, error: str = "", on_row: int = 0,
     answer: int | None = None, duration_ms: int | None = None,
@@ -441,6 +487,7 @@ def finish(
 
 
 
+@again_if_moved
 def schedule_retry(*, run_id: int, fence: int, due_at: datetime, error: str) -> bool:
     """Back to scheduled with a later due_at: the retry is a row, not a message."""
     return (
@@ -588,11 +635,12 @@ SELECT d.id
        SELECT r.id, r.due_at
          FROM runs r
         WHERE r.partition = p.part AND r.stage = 'waiting' AND NOT r.held AND r.due_at <= %s
+          AND r.kept_for = {open}
         ORDER BY r.due_at
         LIMIT %s) d
  ORDER BY d.due_at
  LIMIT %s
-"""
+""".format(open=OPEN_KEPT_FOR_SQL)
 
 
 def lock_due(*, partitions: list[int], now: datetime, limit: int) -> "QuerySet[Run]":

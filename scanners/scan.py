@@ -22,7 +22,7 @@ from jobs.models import Job
 from runs import claims, events, notices
 from jobs.validators import target_key
 from runs.delivery import iso_z
-from runs.models import Run
+from runs.models import OPEN_KEPT_FOR_SQL, Run
 from runs.services import EXCLUDED_PREFIX, job_next_run, jobs_lock, notify_dead, run_next_create
 
 logger = logging.getLogger("scheduler.scanner")
@@ -186,13 +186,13 @@ _EARLIEST_PER_PARTITION = """(SELECT min(e.t)
           FROM unnest(%s::integer[]) AS p(part)
          CROSS JOIN LATERAL (
                SELECT r.{column} AS t FROM runs r
-                WHERE r.partition = p.part AND {where}
+                WHERE r.partition = p.part AND {where} AND r.kept_for = {open}
                 ORDER BY r.{column} LIMIT 1) e)"""
 NEXT_WORK_SQL = f"""
 SELECT clock_timestamp(),
-       {_EARLIEST_PER_PARTITION.format(column="due_at", where="r.stage = 'waiting' AND NOT r.held")},
-       {_EARLIEST_PER_PARTITION.format(column="lease_expires_at", where="r.stage = 'flight' AND r.status = 'running'")},
-       {_EARLIEST_PER_PARTITION.format(column="queued_at", where="r.stage = 'flight' AND r.status = 'queued'")},
+       {_EARLIEST_PER_PARTITION.format(open=OPEN_KEPT_FOR_SQL, column="due_at", where="r.stage = 'waiting' AND NOT r.held")},
+       {_EARLIEST_PER_PARTITION.format(open=OPEN_KEPT_FOR_SQL, column="lease_expires_at", where="r.stage = 'flight' AND r.status = 'running'")},
+       {_EARLIEST_PER_PARTITION.format(open=OPEN_KEPT_FOR_SQL, column="queued_at", where="r.stage = 'flight' AND r.status = 'queued'")},
        (SELECT j.paused_until FROM jobs j
          WHERE j.paused_until IS NOT NULL AND j.paused AND j.id %% %s = ANY(%s::integer[])
          ORDER BY j.paused_until LIMIT 1),
