@@ -13,6 +13,7 @@ from jobs import schedule
 from jobs.models import Job
 from jobs.secrets import encrypt_headers, split_headers
 from runs import events
+from runs.claims import again_if_moved
 from runs.delivery import iso_z
 from runs.models import JOBS_OPEN_RUN, Run
 from runs.services import (
@@ -139,6 +140,7 @@ def open_run(job: Job, *, lock: bool = False) -> Run | None:
     return query.first()
 
 
+@again_if_moved
 @transaction.atomic
 def job_update(*, job: Job, fields: dict[str, Any], now: datetime | None = None) -> Job:
     """PATCH: change fields; a changed schedule, zone, time or window replaces the waiting run;
@@ -240,6 +242,7 @@ def _waiting_runs(job: Job) -> models.QuerySet[Run]:
     return Run.objects.filter(job=job, status__in=(S.SCHEDULED, S.QUEUED))
 
 
+@again_if_moved
 @transaction.atomic
 def job_pause(*, job: Job, now: datetime | None = None) -> Job:
     """Every waiting run of the job (its own, and its backfills and run-now runs) is
@@ -256,6 +259,7 @@ def job_pause(*, job: Job, now: datetime | None = None) -> Job:
     return job
 
 
+@again_if_moved
 @transaction.atomic
 def job_resume(*, job: Job, now: datetime | None = None) -> Job:
     """Every run the pause held is released (unless its target host is paused); the
@@ -298,6 +302,7 @@ def job_resume_due(*, job_id: int, now: datetime) -> Job | None:
     return job
 
 
+@again_if_moved
 @transaction.atomic
 def job_delete(*, job: Job, now: datetime | None = None) -> None:
     """Ends the job: its waiting run is cancelled; history stays readable.

@@ -38,9 +38,10 @@ from jobs.audit import actor_name, audit_record
 from jobs.models import Job
 from jobs.validators import CELERY_KEY_PREFIX, target_host, validate_queue
 from runs import events
+from runs.claims import again_if_moved
 from runs.delivery import iso_z
 from runs.models import PausedTarget, Run, RunEvent, with_status
-from runs.services import is_held
+from runs.services import is_held, wake_moved_back
 
 S = Run.Status
 READONLY_GROUP = "ops-readonly"
@@ -135,6 +136,7 @@ def _lock_run(run: Run) -> Run | None:
     return Run.objects.select_for_update().select_related("job").filter(pk=run.pk).first()
 
 
+@again_if_moved
 @transaction.atomic
 def run_requeue_dead(*, run: Run, now: datetime | None = None, actor: Any = None, via: str = "command") -> bool:
     """A dead run gets a new round of tries, same Idempotency-Key. False: not requeued
@@ -146,6 +148,7 @@ def run_requeue_dead(*, run: Run, now: datetime | None = None, actor: Any = None
     return _requeue_locked(locked, now=now, actor=actor, via=via)
 
 
+@again_if_moved
 @transaction.atomic
 def run_retry(*, run: Run, now: datetime | None = None, actor: Any = None, via: str = "api") -> Run:
     """`POST /api/runs/{id}/retry/`: run_requeue_dead, deciding from the run as it is
@@ -179,6 +182,7 @@ def _requeue_locked(locked: Run, *, now: datetime, actor: Any, via: str) -> bool
     )
     if changed != 1:
         return False
+    wake_moved_back([locked.pk])
     events.record(
         locked.pk,
         "requeued",
@@ -220,6 +224,7 @@ def requeue_dead(
     return result
 
 
+@again_if_moved
 @transaction.atomic
 def runs_mark_handled(
     *, runs: QuerySet[Run], actor: Any = None, via: str = "admin", now: datetime | None = None
@@ -248,6 +253,7 @@ def _waiting_runs(host: str) -> QuerySet[Run]:
     return Run.objects.filter(target_host_q(host, prefix="job__"), with_status(S.SCHEDULED, S.QUEUED))
 
 
+@again_if_moved
 @transaction.atomic
 def target_pause(
     *, host: str, actor: Any = None, via: str = "command", dry_run: bool = False, now: datetime | None = None
@@ -272,6 +278,7 @@ def target_pause(
     return HoldResult(host, not exists, len(ids), jobs)
 
 
+@again_if_moved
 @transaction.atomic
 def target_resume(
     *, host: str, actor: Any = None, via: str = "command", dry_run: bool = False, now: datetime | None = None

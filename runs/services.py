@@ -30,7 +30,7 @@ from jobs.validators import check_resolved_target, target_key
 from runs import breakers, bulk, bulkhead, claims, delivery, events, notices, publishing, rollups
 from runs.claims import Claim
 from runs.delivery import CallResult
-from runs.models import ON_ROW_ANSWERED, ON_ROW_SCHEDULED, ON_ROW_SUCCEEDED, JOBS_OPEN_RUN, Run
+from runs.models import ON_ROW_ANSWERED, ON_ROW_SCHEDULED, ON_ROW_SUCCEEDED, JOBS_OPEN_RUN, OPEN_KEPT_FOR_SQL, Run
 from runs.signals import job_paused, run_dead
 
 logger = logging.getLogger("scheduler.runs")
@@ -497,6 +497,25 @@ def _place_after_clash(job: Job, row: Run, now: datetime) -> Run | None:
     return None
 
 
+def wake_moved_back(run_ids: list[int]) -> None:
+    """Wake the scanners of runs just moved back among the open runs (a requeue, a
+    reopen) that are due within the notify horizon, as the store's triggers would
+    (migration runs 0011). On the partitioned store (0015) such an UPDATE moves the row
+    from the history to the open runs' partition, which PostgreSQL carries out as a
+    delete and an insert: the table's row-level UPDATE trigger does not fire for it, nor
+    its INSERT statement trigger (the statement is an UPDATE)."""
+    if connection.vendor != "postgresql" or not run_ids:
+        return
+    from scanners.wakeups import CHANNEL, NOTIFY_HORIZON
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pg_notify(%s, partition::text) FROM runs WHERE id = ANY(%s) AND kept_for = "
+            f"{OPEN_KEPT_FOR_SQL} AND status = 'scheduled' AND NOT held AND due_at < statement_timestamp() + %s",
+            [CHANNEL, list(run_ids), NOTIFY_HORIZON],
+        )
+
+
 def run_reopen(
     *, run: Run, job: Job, now: datetime, held: bool, not_before: datetime | None = None, made_by: int | None = None
 ) -> Run:
@@ -514,6 +533,7 @@ def run_reopen(
         status=S.SCHEDULED, due_at=due_at, held=held, finished_at=None, queued_at=None, is_backfill=False,
         last_error="", on_row_made_by=made_by,
     )
+    wake_moved_back([run.pk])
     run.refresh_from_db()
     return run
 

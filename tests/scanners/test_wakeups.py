@@ -297,6 +297,31 @@ def test_a_retry_a_release_a_resume_time_and_a_notice_each_wake_their_scanner(
     assert listening() == ["0"]
 
 
+@on_postgresql
+@pytest.mark.django_db(transaction=True)
+def test_a_requeued_dead_run_and_a_reopened_cancelled_run_wake_their_scanner(
+        service: Any, listening: Callable[[], list[str]]) -> None:
+    """Both move a row from the history back to the open runs (migration runs 0015),
+    which fires none of the table's UPDATE triggers: the store wakes the scanner itself."""
+    from runs import ops
+    from runs.services import run_reopen
+
+    job = make_job(service.user)
+    now = claims.store_now()
+    dead = make_run(job, now - timedelta(minutes=5), status=S.DEAD, finished_at=now, attempt=3)
+    cancelled = make_run(job, now + timedelta(seconds=10), status=S.CANCELLED, finished_at=now)
+    far = make_run(job, now + timedelta(days=3), status=S.CANCELLED, finished_at=now)
+    assert listening() == []
+    assert ops.run_requeue_dead(run=dead, via="command")
+    assert listening() == [str(job.partition)]
+    run_reopen(run=cancelled, job=job, now=now, held=False)
+    assert listening() == [str(job.partition)]
+    Run.objects.filter(pk=cancelled.pk).update(status=S.CANCELLED, finished_at=now)
+    run_reopen(run=far, job=job, now=now, held=False)  # due past the horizon: nobody
+    assert listening() == []
+    assert Run.objects.get(pk=far.pk).status == S.SCHEDULED
+
+
 # ------------------------------------------------------------------ an idle scanner
 
 
