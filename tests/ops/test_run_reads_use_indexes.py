@@ -39,7 +39,10 @@ pytestmark = [
 S = Run.Status
 HISTORY = 200_000
 JOBS = 50
-SEQ_SCAN_OF_RUNS = re.compile(r"Seq Scan on runs\b")
+# The table, or any partition of its history (migration runs 0015); not the open runs'
+# partition, which holds a run per job and those in flight: the planner reads a few
+# rows of it plainly, as it should.
+SEQ_SCAN_OF_RUNS = re.compile(r"Seq Scan on runs(?!_open\b)(?:_\w+)?\b")
 # A node that dropped this many rows over all its loops read history.
 UNWANTED = 5_000
 LOOPS = re.compile(r"\(actual rows=\d+ loops=(\d+)\)")
@@ -139,7 +142,15 @@ def test_no_statement_reads_all_of_runs_with_history_in_it(operator_client: Clie
     jobs = fill_history(owner.user, now)
     open_and_rare_runs(jobs, now)
     with connection.cursor() as cursor:
-        cursor.execute("ANALYZE runs")
+        # As autovacuum leaves them: each table and partition analyzed, never the
+        # partitioned `runs` itself (migration runs 0015), whose figures stay as the
+        # migration left them (an empty table).
+        cursor.execute(
+            "SELECT c.oid::regclass::text FROM pg_class c WHERE c.relkind = 'r' AND (c.oid = 'runs'::regclass "
+            "OR c.oid IN (SELECT inhrelid FROM pg_inherits WHERE inhparent = 'runs'::regclass))"
+        )
+        for (table,) in cursor.fetchall():
+            cursor.execute(f"ANALYZE {table}")
         cursor.execute("ANALYZE run_events")
     parts = list(range(16))
 
