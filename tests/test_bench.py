@@ -100,3 +100,19 @@ def test_the_partition_experiment_takes_runs_to_succeeded_in_every_shape(tmp_pat
     # fewer WAL records a run than the same table with today's indexes.
     assert found["hot"]["wal_records_per_run"] < today["wal_records_per_run"]
     assert found["split_hot"]["wal_records_per_run"] < split["wal_records_per_run"]
+
+
+def test_the_partition_migration_bench_keeps_every_run_and_splits_open_from_ended(tmp_path: Path) -> None:
+    """bench/partition_migration.py (migration runs 0015 on a loaded database): the
+    migration keeps every run (the script asserts the count), the open runs land in
+    runs_open and the ended ones in the history, and the reads tried meanwhile are counted."""
+    if not os.environ.get("DATABASE_URL"):
+        pytest.skip("migrates a PostgreSQL database")
+    out = tmp_path / "migration.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "partition_migration.py"), "--runs", "2000", "--jobs", "100",
+                    "--db", "scheduler_test_partition_migration", "--json", str(out)],
+                   check=True, cwd=ROOT, timeout=300, capture_output=True)
+    found = json.loads(out.read_text())
+    assert found["runs"] == 2000
+    assert found["partitions_after_analyze"] == {"runs_history": 1900, "runs_open": 100}
+    assert found["reads_tried_during"] >= 2 and found["migrate_s"] > 0
