@@ -46,8 +46,15 @@ UTC = timezone.utc
 QUIET_SECONDS = 10
 SLOT = f"store_{harness.BENCH_DB}"[:63]
 
-TABLE_SIZES_SQL = """
-SELECT c.relname,
+# A partition counts to its partitioned table (runs_open and runs_history to runs:
+# migration runs 0015); a plain table to itself.
+def _root(oid: str, name: str) -> str:
+    return (f"COALESCE((SELECT p.relname FROM pg_inherits h JOIN pg_class p ON p.oid = h.inhparent "
+            f"WHERE h.inhrelid = {oid}), {name})")
+
+
+TABLE_SIZES_SQL = f"""
+SELECT {_root("c.oid", "c.relname")},
        pg_relation_size(c.oid, 'main'),
        pg_relation_size(c.oid, 'fsm') + pg_relation_size(c.oid, 'vm'),
        COALESCE(pg_total_relation_size(NULLIF(c.reltoastrelid, 0)), 0),
@@ -56,16 +63,16 @@ SELECT c.relname,
 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
 WHERE n.nspname = 'public' AND c.relkind = 'r'
 """
-INDEX_SIZES_SQL = """
-SELECT t.relname, c.relname, pg_relation_size(c.oid)
+INDEX_SIZES_SQL = f"""
+SELECT {_root("t.oid", "t.relname")}, c.relname, pg_relation_size(c.oid)
 FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid JOIN pg_class t ON t.oid = i.indrelid
 JOIN pg_namespace n ON n.oid = t.relnamespace
-WHERE n.nspname = 'public'
+WHERE n.nspname = 'public' AND c.relkind = 'i'
 """
-TABLE_STATS_SQL = """
-SELECT relname, n_tup_ins, n_tup_upd, n_tup_del, n_tup_hot_upd, n_live_tup, n_dead_tup,
+TABLE_STATS_SQL = f"""
+SELECT {_root("s.relid", "s.relname")}, n_tup_ins, n_tup_upd, n_tup_del, n_tup_hot_upd, n_live_tup, n_dead_tup,
        autovacuum_count, autoanalyze_count
-FROM pg_stat_user_tables WHERE schemaname = 'public'
+FROM pg_stat_user_tables s JOIN pg_class c ON c.oid = s.relid WHERE s.schemaname = 'public' AND c.relkind = 'r'
 """
 # Every WAL record between two positions, grouped by whose it is. A record is ours
 # when its first block is in this database; one without blocks (a commit) when its
@@ -90,9 +97,11 @@ SELECT CASE
 FROM r GROUP BY 1, 2, 3
 """
 # filenode -> (relation, the table it belongs to): an index or TOAST relation counts to its table.
-RELATION_OF_FILENODE_SQL = """
+RELATION_OF_FILENODE_SQL = f"""
 SELECT f, rel.relname,
-       COALESCE(idx_table.relname, toast_table.relname, toast_idx_table.relname, rel.relname), n.nspname
+       {_root("COALESCE(idx_table.oid, toast_table.oid, toast_idx_table.oid, rel.oid)",
+              "COALESCE(idx_table.relname, toast_table.relname, toast_idx_table.relname, rel.relname)")},
+       n.nspname
 FROM unnest(%s::oid[]) AS f
 JOIN pg_class rel ON rel.oid = pg_filenode_relation(0, f)
 JOIN pg_namespace n ON n.oid = rel.relnamespace
@@ -248,10 +257,11 @@ def _lsn_diff(a: str, b: str) -> int:
 
 
 def _sizes() -> dict[str, Any]:
-    tables = {
-        name: {"heap": heap, "fsm_vm": fsm_vm, "toast": toast, "indexes": idx, "total": total}
-        for name, heap, fsm_vm, toast, idx, total in _rows(TABLE_SIZES_SQL)
-    }
+    tables: dict[str, dict[str, int]] = {}
+    for name, *sizes in _rows(TABLE_SIZES_SQL):  # a partitioned table's partitions summed
+        into = tables.setdefault(name, dict.fromkeys(("heap", "fsm_vm", "toast", "indexes", "total"), 0))
+        for key, value in zip(into, sizes):
+            into[key] += int(value)
     indexes: dict[str, dict[str, int]] = {}
     for table, index, size in _rows(INDEX_SIZES_SQL):
         indexes.setdefault(table, {})[index] = size
@@ -260,7 +270,12 @@ def _sizes() -> dict[str, Any]:
 
 def _table_stats() -> dict[str, dict[str, int]]:
     keys = ("ins", "upd", "del", "hot_upd", "live", "dead", "autovacuums", "autoanalyzes")
-    return {row[0]: dict(zip(keys, (int(v) for v in row[1:]))) for row in _rows(TABLE_STATS_SQL)}
+    out: dict[str, dict[str, int]] = {}
+    for row in _rows(TABLE_STATS_SQL):  # a partitioned table's partitions summed
+        into = out.setdefault(row[0], dict.fromkeys(keys, 0))
+        for key, value in zip(keys, row[1:]):
+            into[key] += int(value)
+    return out
 
 
 def _checkpoints() -> int:
@@ -448,10 +463,14 @@ def _tuple_stats() -> dict[str, Any]:
     and each index's leaf density."""
     out: dict[str, Any] = {}
     for table in ("runs", "run_events"):
+        # pgstattuple reads plain tables: a partitioned one's partitions, summed.
         length, live, dead_len, free = _rows(
-            "SELECT table_len, tuple_len, dead_tuple_len, free_space FROM pgstattuple(%s)", [table]
+            "SELECT sum(s.table_len), sum(s.tuple_len), sum(s.dead_tuple_len), sum(s.free_space) FROM pg_class c, "
+            "LATERAL pgstattuple(c.oid) s WHERE c.relkind = 'r' AND (c.oid = %s::regclass OR c.oid IN "
+            "(SELECT inhrelid FROM pg_inherits WHERE inhparent = %s::regclass))", [table, table]
         )[0]
-        out[table] = {"table_len": length, "live_tuple_len": live, "dead_tuple_len": dead_len, "free_space": free}
+        out[table] = {"table_len": int(length), "live_tuple_len": int(live), "dead_tuple_len": int(dead_len),
+                      "free_space": int(free)}
     for table, index, _ in _rows(INDEX_SIZES_SQL):
         if table in ("runs", "run_events"):
             density = _one("SELECT avg_leaf_density FROM pgstatindex(%s)", [index])
