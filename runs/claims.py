@@ -10,6 +10,7 @@ import functools
 import os
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
@@ -200,13 +201,17 @@ def again_if_moved(write: Callable[..., T]) -> Callable[..., T]:
     to another partition due to concurrent update" (SQLSTATE 40001) instead. The
     transaction that moved it has committed, so the write made again reads the row
     where it is now and decides as before: a heartbeat or a claim of a run that ended
-    takes nothing (tests/runs/test_moved_rows.py)."""
+    takes nothing (tests/runs/test_moved_rows.py).
+
+    Inside a transaction each try is a savepoint; outside one, `write` must be one
+    statement or a transaction of its own (each try then leaves nothing behind), so
+    that a claim stays one statement with no transaction around it."""
 
     @functools.wraps(write)
     def made_again(*args: Any, **kwargs: Any) -> T:
         for tries_left in range(MOVED_TRIES - 1, -1, -1):
             try:
-                with transaction.atomic():
+                with transaction.atomic() if connection.in_atomic_block else nullcontext():
                     return write(*args, **kwargs)
             except OperationalError as e:
                 if not tries_left or not _moved_away(e):
@@ -232,7 +237,6 @@ def claim_many(*, run_ids: list[int], worker: str, lease: timedelta, sent_at: da
     return claim_many_clocked(run_ids=run_ids, worker=worker, lease=lease, sent_at=sent_at)[0]
 
 
-@again_if_moved
 def claim_many_clocked(
     *, run_ids: list[int], worker: str, lease: timedelta, sent_at: datetime | None = None
 ) -> tuple[list[Claim], datetime]:
@@ -260,6 +264,7 @@ SELECT c.id, c.fence, c.attempt, c.started_at, c.on_row_claimed_at, clock.now
 """
 
 
+@again_if_moved  # one statement
 def _claim_ids(run_ids: list[int], worker: str, lease: timedelta, sent_at: datetime | None = None
                ) -> tuple[list[Claim], datetime]:
     template = CLAIM_SQL_WITHOUT_LEASE_CHECK if _fence_checks_disabled() else CLAIM_SQL

@@ -73,16 +73,24 @@ def settle(run_ids: Iterable[int]) -> list[Event]:
     """The entries on these runs' rows (runs.timeline), cleared from the rows (they
     are locked until the transaction ends), as events for the caller to write before
     its own: a run's rows are then always older than the entries on its row."""
+    from runs.claims import again_if_moved
     from runs.timeline import ON_ROW_FIELDS, on_row_entries
 
     ids = sorted(run_ids)
     if not ids:
         return []
     assert connection.in_atomic_block, "settle writes the entries in the caller's transaction"
+
+    # A run another transaction moved between partitions meanwhile (its end, a requeue)
+    # is locked where it is now: the move keeps the entries on its row.
+    @again_if_moved
+    def lock(chunk: list[int]) -> list[Run]:
+        return list(Run.objects.select_for_update().filter(pk__in=chunk).exclude(on_row=0).only(*ON_ROW_FIELDS))
+
     found: list[Event] = []
     for start in range(0, len(ids), 5000):
         chunk = ids[start:start + 5000]
-        runs = list(Run.objects.select_for_update().filter(pk__in=chunk).exclude(on_row=0).only(*ON_ROW_FIELDS))
+        runs = lock(chunk)
         if not runs:
             continue
         Run.objects.filter(pk__in=[r.pk for r in runs]).update(on_row=0)
