@@ -81,6 +81,22 @@ BEGIN
     END LOOP;
 END $$"""
 
+# What either shape of the table gets the same: the indexes that hold no unique key,
+# the jobs foreign key, and migration 0014's trigger (its function outlives the table).
+SAME_BOTH_WAYS = [
+    f"CREATE INDEX runs_due_idx ON runs (partition, stage, held, due_at) WHERE {OPEN_STAGES}",
+    "CREATE INDEX runs_status_idx ON runs (stage, id DESC) WHERE NOT stage = 'succeeded'",
+    "CREATE INDEX runs_finished_idx ON runs (finished_at) WHERE finished_at IS NOT NULL",
+    "CREATE INDEX runs_dead_unhandled_idx ON runs (id) WHERE handled_at IS NULL AND stage = 'dead'",
+    """ALTER TABLE runs ADD CONSTRAINT runs_job_id_1c443ccb_fk_jobs_id FOREIGN KEY (job_id)
+       REFERENCES jobs (id) DEFERRABLE INITIALLY DEFERRED""",
+    """CREATE TRIGGER runs_kept_for BEFORE UPDATE OF status, scheduled_for, kept_for ON runs FOR EACH ROW
+       WHEN ((NEW.status IN ('scheduled', 'queued', 'running')) IS DISTINCT FROM (OLD.status IN ('scheduled', 'queued', 'running'))
+             OR NEW.scheduled_for IS DISTINCT FROM OLD.scheduled_for
+             OR NEW.kept_for IS DISTINCT FROM OLD.kept_for)
+       EXECUTE FUNCTION runs_kept_for()""",
+]
+
 FORWARD = [
     "LOCK TABLE runs IN ACCESS EXCLUSIVE MODE",
     "CREATE SEQUENCE runs_new_id_seq AS bigint",
@@ -99,18 +115,7 @@ FORWARD = [
     "ALTER TABLE runs ADD CONSTRAINT runs_one_run_per_time UNIQUE (job_id, kept_for, scheduled_for)",
     f"""CREATE UNIQUE INDEX runs_one_open_run_per_job ON runs (job_id, kept_for)
         WHERE NOT detached AND NOT is_backfill AND {OPEN_STAGES}""",
-    f"CREATE INDEX runs_due_idx ON runs (partition, stage, held, due_at) WHERE {OPEN_STAGES}",
-    "CREATE INDEX runs_status_idx ON runs (stage, id DESC) WHERE NOT stage = 'succeeded'",
-    "CREATE INDEX runs_finished_idx ON runs (finished_at) WHERE finished_at IS NOT NULL",
-    "CREATE INDEX runs_dead_unhandled_idx ON runs (id) WHERE handled_at IS NULL AND stage = 'dead'",
-    """ALTER TABLE runs ADD CONSTRAINT runs_job_id_1c443ccb_fk_jobs_id FOREIGN KEY (job_id)
-       REFERENCES jobs (id) DEFERRABLE INITIALLY DEFERRED""",
-    # Migration 0014's trigger (its function outlives the old table).
-    """CREATE TRIGGER runs_kept_for BEFORE UPDATE OF status, scheduled_for, kept_for ON runs FOR EACH ROW
-       WHEN ((NEW.status IN ('scheduled', 'queued', 'running')) IS DISTINCT FROM (OLD.status IN ('scheduled', 'queued', 'running'))
-             OR NEW.scheduled_for IS DISTINCT FROM OLD.scheduled_for
-             OR NEW.kept_for IS DISTINCT FROM OLD.kept_for)
-       EXECUTE FUNCTION runs_kept_for()""",
+    *SAME_BOTH_WAYS,
     # No two runs of a job at one time, open and ended together (the docstring). The
     # job's row lock (FOR NO KEY UPDATE, as runs.services.jobs_lock takes it, in id
     # order; a no-op where the writer holds it already, as every writer of runs does)
@@ -168,17 +173,7 @@ BACKWARD = [
     "ALTER TABLE runs ADD CONSTRAINT runs_one_run_per_time UNIQUE (job_id, scheduled_for)",
     f"""CREATE UNIQUE INDEX runs_one_open_run_per_job ON runs (job_id)
         WHERE NOT detached AND NOT is_backfill AND {OPEN_STAGES}""",
-    f"CREATE INDEX runs_due_idx ON runs (partition, stage, held, due_at) WHERE {OPEN_STAGES}",
-    "CREATE INDEX runs_status_idx ON runs (stage, id DESC) WHERE NOT stage = 'succeeded'",
-    "CREATE INDEX runs_finished_idx ON runs (finished_at) WHERE finished_at IS NOT NULL",
-    "CREATE INDEX runs_dead_unhandled_idx ON runs (id) WHERE handled_at IS NULL AND stage = 'dead'",
-    """ALTER TABLE runs ADD CONSTRAINT runs_job_id_1c443ccb_fk_jobs_id FOREIGN KEY (job_id)
-       REFERENCES jobs (id) DEFERRABLE INITIALLY DEFERRED""",
-    """CREATE TRIGGER runs_kept_for BEFORE UPDATE OF status, scheduled_for, kept_for ON runs FOR EACH ROW
-       WHEN ((NEW.status IN ('scheduled', 'queued', 'running')) IS DISTINCT FROM (OLD.status IN ('scheduled', 'queued', 'running'))
-             OR NEW.scheduled_for IS DISTINCT FROM OLD.scheduled_for
-             OR NEW.kept_for IS DISTINCT FROM OLD.kept_for)
-       EXECUTE FUNCTION runs_kept_for()""",
+    *SAME_BOTH_WAYS,
     *RUN_WAKE_TRIGGERS,
 ]
 
