@@ -1,6 +1,6 @@
 """Benches on the production layout: `python bench/run.py SCENARIO [options]`.
 
-Scenarios: sustained, spike, scan, beat, failover, limits, ops, idle, restarts, store. Each prints a table
+Scenarios: sustained, spike, scan, beat, failover, limits, ops, idle, restarts, store, prune. Each prints a table
 and writes bench/results/<scenario>.json (with the machine it ran on).
 PostgreSQL and Redis must be up (scripts/test.sh leaves them so); the bench
 starts its own ZooKeeper on BENCH_ZK_PORT (21812) and its own target on
@@ -69,6 +69,13 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=10_000_000, help="finished runs in the table")
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--reuse", action="store_true", help="keep the bench database if it holds the rows already")
+
+    p = sub.add_parser("prune", help="prune_runs dropping a day of 10^7 finished runs in day partitions")
+    p.add_argument("--runs", type=int, default=10_000_000, help="finished runs in the history")
+    p.add_argument("--days", type=int, default=10, help="day partitions they fill")
+    p.add_argument("--events-every", type=int, default=100, help="one run in this many has an event row")
+    p.add_argument("--repeat", type=int, default=30, help="due queries timed at each point")
+    p.add_argument("--out-name", default="prune", help="writes bench/results/<OUT_NAME>.json")
 
     p = sub.add_parser("store", help="bytes, WAL and row writes per finished run in PostgreSQL, under a sustained load")
     p.add_argument("--rate", type=int, default=500, help="offered runs per second")

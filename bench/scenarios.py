@@ -433,6 +433,12 @@ def beat(args: argparse.Namespace) -> int:
     return beat_scenario.run(args)
 
 
+def prune(args: argparse.Namespace) -> int:
+    from bench import prune_scenario
+
+    return prune_scenario.run(args)
+
+
 def store(args: argparse.Namespace) -> int:
     from bench import store_scenario
 

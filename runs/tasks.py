@@ -77,3 +77,13 @@ def send_notices() -> int:
     from runs.notices import notices_send
 
     return len(notices_send().sent)
+
+
+@shared_task(name="runs.keep_run_partitions", ignore_result=True)
+def keep_run_partitions() -> dict[str, int]:
+    """The history's upkeep (runs.retention.keep): the scanner holding partition 0
+    publishes this every runs.retention.every() seconds."""
+    from runs.retention import keep
+
+    kept = keep()
+    return {"made": len(kept.made), "missing": len(kept.missing), "pruned_runs": kept.pruned_runs}

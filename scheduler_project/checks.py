@@ -36,4 +36,15 @@ def durations_parse(app_configs: Any = None, **kwargs: Any) -> list[Error]:
             parse_duration(getattr(settings, name))
         except ValueError as exc:
             errors.append(Error(f"{name}: {exc}", id="scheduler.E002"))
+    from runs import partitions, retention
+
+    for name, check in (("SCHEDULER_RUN_PARTITION_WIDTH", partitions.width),
+                        ("SCHEDULER_RUN_RETENTION", retention.retention)):
+        try:
+            check()
+        except ValueError as exc:
+            errors.append(Error(f"{name}: {exc}", id="scheduler.E002"))
+    if settings.SCHEDULER_RUN_PARTITIONS_AHEAD < 1:
+        errors.append(Error(f"SCHEDULER_RUN_PARTITIONS_AHEAD must be 1 or more, not "
+                            f"{settings.SCHEDULER_RUN_PARTITIONS_AHEAD}", id="scheduler.E002"))
     return errors

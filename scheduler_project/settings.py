@@ -460,6 +460,14 @@ SCHEDULER_MAX_JOBS_PER_SERVICE = env_int("SCHEDULER_MAX_JOBS_PER_SERVICE", 10000
 SCHEDULER_MIN_INTERVAL = env_str("SCHEDULER_MIN_INTERVAL", "1m")
 # Ours: partitions are fixed for a deployment (a run's partition is stored on it).
 SCHEDULER_PARTITIONS = env_int("SCHEDULER_PARTITIONS", 16)
+# The runs history's partitions by time (PostgreSQL; runs.partitions): each spans
+# SCHEDULER_RUN_PARTITION_WIDTH, the scanner holding partition 0 makes the one of now
+# and SCHEDULER_RUN_PARTITIONS_AHEAD more ahead, and drops (with every other finished
+# run and its events) what finished longer than SCHEDULER_RUN_RETENTION ago ("off":
+# never; prune_runs by hand still works).
+SCHEDULER_RUN_PARTITION_WIDTH = env_str("SCHEDULER_RUN_PARTITION_WIDTH", "1d")
+SCHEDULER_RUN_PARTITIONS_AHEAD = env_int("SCHEDULER_RUN_PARTITIONS_AHEAD", 3)
+SCHEDULER_RUN_RETENTION = env_str("SCHEDULER_RUN_RETENTION", "90d")
 SCHEDULER_SCAN_BATCH = env_int("SCHEDULER_SCAN_BATCH", 500)
 # Runs per run-queue message (at most SCHEDULER_TARGET_CONCURRENCY: one message's
 # runs go to one host): a worker claims, calls and records them together.

@@ -82,3 +82,18 @@ def timelines_of(run_ids: Any) -> dict[int, list[Any]]:
     from runs.timeline import timelines
 
     return timelines(Run.objects.filter(pk__in=list(run_ids)))
+
+
+def drop_time_partitions() -> None:
+    """Drop the runs history's time partitions (runs.partitions; PostgreSQL). They are
+    tables: the flush between tests empties them but keeps them, and a scanner's upkeep
+    in an earlier test may have made some."""
+    from django.db import connection
+
+    from runs import partitions
+
+    if not partitions.in_use():
+        return
+    with connection.cursor() as cursor:
+        for span in partitions.spans():
+            cursor.execute(f"DROP TABLE {connection.ops.quote_name(span.name)}")

@@ -116,3 +116,20 @@ def test_the_partition_migration_bench_keeps_every_run_and_splits_open_from_ende
     assert found["runs"] == 2000
     assert found["partitions_after_analyze"] == {"runs_history": 1900, "runs_open": 100}
     assert found["reads_tried_during"] >= 2 and found["migrate_s"] > 0
+
+
+def test_the_prune_bench_drops_the_oldest_day_whole_and_times_the_due_query(tmp_path: Path) -> None:
+    """`bench/run.py prune` (issue 18, done-when 2) on a small history: prune_runs drops
+    the oldest day's partition whole, with its events, and the due query keeps its plan."""
+    if not os.environ.get("DATABASE_URL"):
+        pytest.skip("loads a PostgreSQL database")
+    env = {**os.environ, "BENCH_DB": "scheduler_test_prune_bench", "BENCH_RESULTS_DIR": str(tmp_path)}
+    subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "prune", "--runs", "30000", "--days", "3",
+                    "--events-every", "10", "--repeat", "3", "--out-name", "prune-test"],
+                   check=True, cwd=ROOT, timeout=300, capture_output=True, env=env)
+    found = json.loads((tmp_path / "prune-test.json").read_text())
+    assert found["history_runs"] == 30000 and found["event_rows"] == 3000
+    assert (found["pruned_runs"], found["pruned_events"]) == (10000, 1000)
+    assert len(found["dropped"]) == 1 and found["dropped"][0].startswith("runs_p")
+    assert found["due_query_plan_unchanged"] is True
+    assert found["prune_seconds"] > 0

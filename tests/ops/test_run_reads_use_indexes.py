@@ -30,7 +30,7 @@ from runs import claims, ops
 from runs.models import Run
 from scanners import scan
 from tests.conftest import Service
-from tests.factories import make_job, make_run
+from tests.factories import drop_time_partitions, make_job, make_run
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
@@ -54,7 +54,10 @@ WHOLE_BY_DESIGN: dict[str, str] = {}
 
 def fill_history(owner: Any, now: Any) -> list[Job]:
     """JOBS jobs and HISTORY succeeded runs of theirs, one a minute back from a day ago,
-    written by INSERT ... SELECT (every column not named takes its model default)."""
+    written by INSERT ... SELECT (every column not named takes its model default), all
+    in the default partition of the history (time partitions an earlier test's scanner
+    made are dropped: tests/runs/test_partitions reads them)."""
+    drop_time_partitions()
     from bench.load import defaults_sql
 
     jobs = [make_job(owner, name=f"history-{i}", target=f"http://host{i % 5}.test/x") for i in range(JOBS)]

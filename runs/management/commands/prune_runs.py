@@ -33,6 +33,8 @@ class Command(BaseCommand):
         except OpsError as exc:
             raise CommandError(str(exc)) from exc
         verb = "would delete" if dry_run else "deleted"
+        dropped = f" ({len(result.dropped)} history partition(s) dropped whole)" if result.dropped else ""
         self.stdout.write(
             f"{verb} {result.runs} finished run(s) and {result.events} event(s) finished before {iso_z(result.cutoff)}"
+            f"{dropped}"
         )

@@ -12,7 +12,8 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandParser
 from django.db import connection
 
-from runs.tasks import send_notices
+from runs.retention import every as upkeep_every
+from runs.tasks import keep_run_partitions, send_notices
 from scanners.coordination import PartitionLeases, make_leases
 from scanners.scan import ScanResult, next_work, scan_once
 from scanners.wakeups import RETRY_AFTER_ERROR, Listener, Pacer
@@ -61,6 +62,7 @@ class Command(BaseCommand):
             batch=settings.SCHEDULER_SCAN_BATCH,
         )
         self.owned: frozenset[int] = frozenset()
+        self.upkeep_at = 0.0  # time.monotonic() of the next history upkeep (partition 0's scanner)
         self.rescan = True  # the first turn, and the one after a failed turn, scans in full
         # Which wakes were notifications: only those are paced a scan gap apart (a
         # change of leases, a stop, is acted on at once).
@@ -114,6 +116,8 @@ class Command(BaseCommand):
             work = next_work(owned, notices=0 in owned)
             self.pacer.observe(work)
             self._notices(work)
+            if 0 in owned:
+                self._upkeep()
             if not (changed or self.pacer.scan_due(work)):
                 return self.pacer.sleep(work)
             # A live scan: later batches by the time it has taken; it ends early if
@@ -142,6 +146,19 @@ class Command(BaseCommand):
             send_notices.delay()
         except Exception:  # the broker is down: next time
             logger.exception("notices check failed")
+
+    def _upkeep(self) -> None:
+        """The scanner holding partition 0 publishes the runs history's upkeep
+        (runs.retention.keep: partitions made ahead, retention) when it takes the
+        partition and then every runs.retention.every() seconds. A worker runs it."""
+        if time.monotonic() < getattr(self, "upkeep_at", 0.0):
+            return
+        self.upkeep_at = time.monotonic() + upkeep_every()
+        try:
+            keep_run_partitions.delay()
+        except Exception:  # the broker is down: next time
+            logger.exception("publishing the history upkeep failed")
+            self.upkeep_at = time.monotonic() + RETRY_AFTER_ERROR
 
     @staticmethod
     def _check_connection() -> None:

@@ -1,0 +1,187 @@
+"""The runs history's time partitions (runs.partitions, runs.retention; PostgreSQL).
+
+An ended run's key is its scheduled time: each partition holds the ended runs of one
+span of times, made ahead by the upkeep; prune_runs drops a partition whose runs all
+finished before the cutoff, with their events and notices, and never an open run.
+"""
+from __future__ import annotations
+
+import io
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.core.management import CommandError, call_command
+from django.db import IntegrityError, connection, transaction
+from django.test import override_settings
+from django.utils import timezone
+
+from jobs.models import AuditEntry
+from runs import ops, partitions, retention
+from runs.models import Notice, Run, RunEvent
+from tests.factories import drop_time_partitions, make_job, make_run, utc
+from tests.runs.test_moved_rows import race
+
+S = Run.Status
+DAY = timedelta(days=1)
+
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.skipif(connection.vendor != "postgresql", reason="the history is partitioned on PostgreSQL only"),
+]
+
+
+@pytest.fixture(autouse=True)
+def no_time_partitions(transactional_db: None) -> Any:
+    """Partitions are tables: the flush between tests empties them but keeps them."""
+    drop_time_partitions()
+    yield
+    drop_time_partitions()
+
+
+def table_of(run: Run) -> str:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT tableoid::regclass::text FROM runs WHERE id = %s", [run.pk])
+        return cursor.fetchone()[0]
+
+
+def ended(job: Any, when: Any, finished: Any, *, status: str = S.SUCCEEDED, events: int = 1) -> Run:
+    run = make_run(job, when, status=status, finished_at=finished)
+    for _ in range(events):
+        RunEvent.objects.create(run=run, at=finished, type="retry_scheduled", detail={})
+    return run
+
+
+def test_the_partitions_of_now_and_ahead_are_made_once_and_the_check_says_when_one_is_missing() -> None:
+    now = utc("2026-12-06T10:00:00Z")
+    assert [s.name for s in partitions.missing(now, 2)] == [
+        "runs_p20261206_0000", "runs_p20261207_0000", "runs_p20261208_0000"]
+    made = partitions.make_ahead(now, 2)
+    assert [(s.start, s.end) for s in made] == [
+        (utc("2026-12-06T00:00:00Z") + i * DAY, utc("2026-12-07T00:00:00Z") + i * DAY) for i in range(3)]
+    assert partitions.make_ahead(now, 2) == [] and partitions.missing(now, 2) == []
+    assert [s.name for s in partitions.spans()] == [s.name for s in made]
+    # The next day's is missing until made.
+    assert [s.name for s in partitions.missing(now + DAY, 2)] == ["runs_p20261209_0000"]
+
+
+def test_the_command_makes_them_and_its_check_fails_loudly_on_a_missing_one() -> None:
+    with pytest.raises(CommandError, match=r"no runs partition for \[\d{4}-\d\d-\d\dT00:00Z"):
+        call_command("run_partitions", "--check", stdout=io.StringIO())
+    out = io.StringIO()
+    call_command("run_partitions", "--ahead", "1", stdout=out)
+    assert out.getvalue().count("made runs_p") == 2
+    call_command("run_partitions", "--check", "--ahead", "1", stdout=io.StringIO())
+    with pytest.raises(CommandError, match="no runs partition"):
+        call_command("run_partitions", "--check", "--ahead", "2", stdout=io.StringIO())
+
+
+def test_a_run_that_ends_moves_into_its_times_partition_and_back_when_requeued() -> None:
+    when = utc("2026-12-06T09:00:00Z")
+    partitions.make_ahead(when, 1)
+    run = make_run(make_job(), when, status=S.QUEUED, queued_at=timezone.now())
+    assert table_of(run) == "runs_open"
+    Run.objects.filter(pk=run.pk).update(status=S.DEAD, finished_at=timezone.now())
+    assert table_of(run) == "runs_p20261206_0000"
+    assert ops.run_requeue_dead(run=Run.objects.get(pk=run.pk))
+    assert table_of(run) == "runs_open"
+
+
+def test_a_new_partition_takes_its_span_out_of_the_default_partition() -> None:
+    job = make_job()
+    far = ended(job, utc("2027-03-01T08:00:00Z"), utc("2026-12-06T10:00:00Z"), status=S.CANCELLED)
+    other = ended(job, utc("2027-03-02T08:00:00Z"), utc("2026-12-06T10:00:00Z"), status=S.CANCELLED)
+    assert table_of(far) == table_of(other) == "runs_history"
+    partitions.make(partitions.span_at(far.scheduled_for))
+    assert (table_of(far), table_of(other)) == ("runs_p20270301_0000", "runs_history")
+    assert Run.objects.get(pk=far.pk).status == S.CANCELLED and RunEvent.objects.filter(run_id=far.pk).count() == 1
+
+
+def test_an_open_run_and_an_ended_one_at_one_time_still_clash_across_a_day_partition() -> None:
+    when = utc("2026-12-06T09:00:00Z")
+    partitions.make_ahead(when, 0)
+    job = make_job()
+    ended(job, when, utc("2026-12-06T09:00:05Z"))
+    with pytest.raises(IntegrityError, match="runs_one_run_per_time"), transaction.atomic():
+        make_run(job, when)
+
+
+def test_prune_drops_a_whole_old_partition_with_its_events_and_notices_and_keeps_the_rest() -> None:
+    now = utc("2026-12-06T10:00:00Z")
+    job = make_job()
+    for day in ("2026-08-01", "2026-08-02", "2026-09-20"):
+        partitions.make(partitions.span_at(utc(f"{day}T00:00:00Z")))
+    old = [ended(job, utc(f"2026-08-01T0{h}:00:00Z"), utc(f"2026-08-01T0{h}:00:09Z"), status=S.DEAD) for h in (1, 2)]
+    Notice.objects.create(job=job, run=old[0], kind="dead", created_at=old[0].finished_at, due_at=old[0].finished_at,
+                          status=Notice.Status.SENT)
+    kept_young = ended(job, utc("2026-09-20T01:00:00Z"), utc("2026-09-20T01:00:05Z"))
+    open_old = make_run(job, utc("2026-08-02T01:00:00Z"), is_backfill=True)  # open: never pruned
+    result = ops.prune_runs(older_than=timedelta(days=90), now=now)
+    assert result.dropped == ("runs_p20260801_0000", "runs_p20260802_0000")
+    assert (result.runs, result.events) == (2, 2)
+    assert not Run.objects.filter(pk__in=[r.pk for r in old]).exists()
+    assert not RunEvent.objects.filter(run_id__in=[r.pk for r in old]).exists()
+    assert not Notice.objects.filter(run_id=old[0].pk).exists()
+    assert Run.objects.filter(pk__in=[kept_young.pk, open_old.pk]).count() == 2
+    assert RunEvent.objects.filter(run_id=kept_young.pk).count() == 1
+    # The empty partition of 2026-08-02 went too (nothing in it finished late); 09-20 is young.
+    assert [s.name for s in partitions.spans()] == ["runs_p20260920_0000"]
+    entry = AuditEntry.objects.get(action="pruned")
+    assert entry.detail["partitions dropped"] == ["runs_p20260801_0000", "runs_p20260802_0000"]
+
+
+def test_a_partition_holding_a_run_that_finished_after_the_cutoff_is_kept_and_pruned_row_by_row() -> None:
+    now = utc("2026-12-06T10:00:00Z")
+    job = make_job()
+    partitions.make(partitions.span_at(utc("2026-08-01T00:00:00Z")))
+    early = ended(job, utc("2026-08-01T01:00:00Z"), utc("2026-08-01T01:00:09Z"))
+    # Late: scheduled on 08-01, it ended yesterday (a paused job's run, cancelled now).
+    late = ended(job, utc("2026-08-01T02:00:00Z"), now - DAY, status=S.CANCELLED)
+    result = ops.prune_runs(older_than=timedelta(days=90), now=now)
+    assert result.dropped == () and (result.runs, result.events) == (1, 1)
+    assert [r.pk for r in Run.objects.filter(job=job)] == [late.pk]
+    assert not Run.objects.filter(pk=early.pk).exists()
+    assert [s.name for s in partitions.spans()] == ["runs_p20260801_0000"]
+
+
+def test_a_run_that_ends_into_the_partition_while_it_is_dropped_keeps_it() -> None:
+    """The drop checks again once `runs` is its own: an outcome that moved a run of the
+    partition's times into it meanwhile (committed while the drop waited) keeps it."""
+    now = timezone.now()
+    old_day = now - timedelta(days=120)
+    partitions.make(partitions.span_at(old_day))
+    job = make_job()
+    gone = ended(job, old_day, old_day + timedelta(minutes=1))
+    # A run of that day still open (a paused job's), ending now.
+    late = make_run(job, old_day + timedelta(seconds=1), is_backfill=True)
+    dropped = race(
+        move=lambda: Run.objects.filter(pk=late.pk).update(status=S.CANCELLED, finished_at=timezone.now()),
+        write=lambda: partitions.drop_older_than(now - timedelta(days=90)),
+    )
+    assert dropped == []
+    assert set(Run.objects.filter(job=job).values_list("pk", flat=True)) == {gone.pk, late.pk}
+    assert RunEvent.objects.filter(run_id=gone.pk).count() == 1  # its deletes were given up with the drop
+
+
+@override_settings(SCHEDULER_RUN_PARTITION_WIDTH="10m", SCHEDULER_RUN_PARTITIONS_AHEAD=2,
+                   SCHEDULER_RUN_RETENTION="30m")
+def test_the_upkeep_makes_minute_partitions_ahead_and_drops_them_past_the_retention() -> None:
+    t0 = utc("2026-12-06T10:03:00Z")
+    job = make_job()
+    kept = retention.keep(t0)
+    assert [s.name for s in kept.made] == ["runs_p20261206_1000", "runs_p20261206_1010", "runs_p20261206_1020"]
+    first = ended(job, utc("2026-12-06T10:04:00Z"), utc("2026-12-06T10:04:01Z"))
+    assert table_of(first) == "runs_p20261206_1000"
+    kept = retention.keep(t0 + timedelta(minutes=41))  # 10:44: 10:00-10:10 ended 34 minutes ago
+    assert kept.dropped == ["runs_p20261206_1000"] and kept.pruned_runs == 1 and kept.missing == []
+    assert [s.name for s in kept.made] == ["runs_p20261206_1040", "runs_p20261206_1050", "runs_p20261206_1100"]
+    assert not Run.objects.filter(pk=first.pk).exists()
+
+
+@override_settings(SCHEDULER_RUN_RETENTION="off")
+def test_a_retention_of_off_prunes_nothing() -> None:
+    job = make_job()
+    run = ended(job, utc("2020-01-01T00:00:00Z"), utc("2020-01-01T00:00:01Z"))
+    assert retention.retention() is None
+    assert retention.keep(utc("2026-12-06T10:00:00Z")).pruned_runs == 0
+    assert Run.objects.filter(pk=run.pk).exists()
