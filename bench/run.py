@@ -87,6 +87,12 @@ def main() -> int:
                    help="seconds; on a server with autovacuum off, apply autovacuum's rule this often (0: never)")
     p.add_argument("--out-name", default="store", help="writes bench/results/<OUT_NAME>.json and <OUT_NAME>-growth.png")
     p.add_argument("--no-plot", action="store_true", help="skip the plot")
+    p.add_argument("--partition-width", default="", metavar="DURATION",
+                   help="SCHEDULER_RUN_PARTITION_WIDTH for the processes (e.g. 2m); default: the setting's")
+    p.add_argument("--retention", default="", metavar="DURATION",
+                   help="SCHEDULER_RUN_RETENTION for the processes (e.g. 10m): the history pruned during the run")
+    p.add_argument("--skip-wal-detail", action="store_true",
+                   help="WAL per run from the LSN difference alone (cluster-wide), not read back record by record")
     scenarios.add_layout_options(p)
 
     args = parser.parse_args()

@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         cursor.execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect")
         cursor.execute("CREATE EXTENSION IF NOT EXISTS pgstattuple")
     stats_dir = Path(harness.tempfile.mkdtemp(prefix="sched-stmts-"))
-    layout = scenarios._layout(args, stats_dir)
+    layout = scenarios._layout(args, stats_dir, **_history_env(args))
     slot = _reserve_wal()
     try:
         measured = _measure(args, layout, stats_dir)
@@ -132,6 +132,17 @@ def run(args: argparse.Namespace) -> int:
         slot.close()  # the temporary slot goes with its session
     _report(args, figures)
     return 0
+
+
+def _history_env(args: argparse.Namespace) -> dict[str, str]:
+    """The history's partitions and retention for the processes (issue 18, item 3: a
+    long run with partitions of minutes and a retention of ten)."""
+    env = {}
+    if getattr(args, "partition_width", ""):
+        env["SCHEDULER_RUN_PARTITION_WIDTH"] = args.partition_width
+    if getattr(args, "retention", ""):
+        env["SCHEDULER_RUN_RETENTION"] = args.retention
+    return env
 
 
 def _reserve_wal() -> Any:
@@ -286,7 +297,13 @@ def _checkpoints() -> int:
 def _snapshot() -> dict[str, Any]:
     _rows("SELECT 1 FROM pg_stat_clear_snapshot()")
     return {"t": time.time(), "lsn": _lsn(), "stat_wal": _stat_wal(), "checkpoints": _checkpoints(),
-            "stats": _table_stats(), "sizes": _sizes()}
+            "stats": _table_stats(), "sizes": _sizes(), "time_partitions": _time_partitions()}
+
+
+def _time_partitions() -> int:
+    """The runs history's time partitions now (runs.partitions: runs_p<start>)."""
+    return int(_one("SELECT count(*) FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+                    "WHERE i.inhparent = to_regclass('runs') AND c.relname ~ '^runs_p[0-9]'"))
 
 
 def _sample(snap: dict[str, Any], start: dict[str, Any]) -> dict[str, Any]:
@@ -300,6 +317,7 @@ def _sample(snap: dict[str, Any], start: dict[str, Any]) -> dict[str, Any]:
             tables[name] = {**size, "live": st.get("live", 0), "dead": st.get("dead", 0),
                             "autovacuums": st.get("autovacuums", 0), "index_sizes": snap["sizes"]["indexes"].get(name, {})}
     return {"s": round(snap["t"] - start["t"], 1), "lsn": snap["lsn"], "runs_inserted": runs_inserted,
+            "time_partitions": snap.get("time_partitions", 0),
             "checkpoints": snap["checkpoints"] - start["checkpoints"], "tables": tables}
 
 
@@ -344,7 +362,21 @@ def _autovacuum_on() -> bool:
 
 
 def _finished_runs() -> int:
-    return int(_one("SELECT count(*) FROM runs WHERE finished_at IS NOT NULL"))
+    """Finished runs in the store, and those the retention pruned meanwhile (the
+    upkeep's audit entries say how many)."""
+    from jobs.models import AuditEntry
+
+    pruned = sum(int(e.detail.get("runs", 0)) for e in AuditEntry.objects.filter(action="pruned"))
+    return int(_one("SELECT count(*) FROM runs WHERE finished_at IS NOT NULL")) + pruned
+
+
+def _wal_from_lsns(lsns: list[str]) -> dict[str, Any]:
+    """--skip-wal-detail: the cluster's WAL between the positions, all counted as ours
+    (a long run's gigabytes are not read back; the other databases' share, a few
+    hundred bytes a second when quiet, is in it)."""
+    total = _lsn_diff(lsns[0], lsns[-1])
+    return {"by_owner": {"own": {"records": 0, "bytes": total, "fpi_bytes": 0}}, "by_filenode": {}, "by_type": {},
+            "per_interval": [_lsn_diff(a, b) for a, b in zip(lsns, lsns[1:])]}
 
 
 def _wal_by_owner(lsns: list[str]) -> dict[str, Any]:
@@ -482,11 +514,12 @@ def _figures(args: argparse.Namespace, m: dict[str, Any]) -> dict[str, Any]:
     finished = max(1, m["finished"])
     before, after = m["before"], m["after"]
     lsns = [s["lsn"] for s in m["series"]]
-    wal = _wal_by_owner(lsns)
+    wal = _wal_from_lsns(lsns) if getattr(args, "skip_wal_detail", False) else _wal_by_owner(lsns)
     own = wal["by_owner"].get("own", {"records": 0, "bytes": 0, "fpi_bytes": 0})
     cluster = _lsn_diff(before["lsn"], after["lsn"])
     by_relation, by_table = _wal_by_relation(wal["by_filenode"])
-    vacuum = _wal_by_owner(list(m["vacuum_wal"]))["by_owner"].get("own", {}).get("bytes", 0)
+    vacuum = (_wal_from_lsns if getattr(args, "skip_wal_detail", False) else _wal_by_owner)(
+        list(m["vacuum_wal"]))["by_owner"].get("own", {}).get("bytes", 0)
     for point, own_bytes in zip(m["series"][1:], wal["per_interval"]):
         point["own_wal_bytes"] = own_bytes
     bytes_tables = _bytes_breakdown(before["sizes"], m["vacuumed"], finished)
@@ -544,6 +577,7 @@ def _commit() -> str:
 def _report(args: argparse.Namespace, figures: dict[str, Any]) -> None:
     figures.update({
         "commit": _commit(),
+        "history": {**_history_env(args), "wal_detail": not getattr(args, "skip_wal_detail", False)},
         "offered_rate": args.rate,
         "minutes": args.minutes,
         "sample_seconds": args.sample_seconds,
@@ -598,7 +632,9 @@ def _plot(f: dict[str, Any], file_name: str) -> str:
         return "matplotlib not installed (pip install -r bench/requirements.txt)"
     series = f["series"]
     names = [n for n in ("runs", "run_events") if n in series[-1]["tables"]]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    partitioned = any(p.get("time_partitions") for p in series)
+    fig, axes = plt.subplots(3 if partitioned else 2, 1, figsize=(9, 8 if partitioned else 6), sharex=True)
+    top, bottom = axes[0], axes[1]
     xs = [p["s"] / 60 for p in series]
     for name in names:
         top.plot(xs, [p["tables"].get(name, {}).get("total", 0) / 2**20 for p in series], label=f"{name} (all)")
@@ -606,8 +642,14 @@ def _plot(f: dict[str, Any], file_name: str) -> str:
         bottom.plot(xs, [p["tables"].get(name, {}).get("dead", 0) for p in series], label=name)
     top.set_ylabel("MiB")
     bottom.set_ylabel("dead tuples")
-    bottom.set_xlabel("minutes")
-    top.set_title(f"store: {f['offered_rate']} runs/s offered, commit {f['commit']}")
+    if partitioned:
+        axes[2].step(xs, [p.get("time_partitions", 0) for p in series], where="post")
+        axes[2].set_ylabel("history partitions")
+    axes[-1].set_xlabel("minutes")
+    history = f.get("history") or {}
+    kept = (f", partitions {history['SCHEDULER_RUN_PARTITION_WIDTH']}" if "SCHEDULER_RUN_PARTITION_WIDTH" in history else "") + \
+        (f", retention {history['SCHEDULER_RUN_RETENTION']}" if "SCHEDULER_RUN_RETENTION" in history else "")
+    top.set_title(f"store: {f['offered_rate']} runs/s offered{kept}, commit {f['commit']}")
     top.legend(fontsize=8)
     bottom.legend(fontsize=8)
     fig.tight_layout()
