@@ -322,21 +322,24 @@ def prune_runs(
     via: str = "command",
 ) -> PruneResult:
     """Delete finished runs (terminal statuses) that finished before now - older_than,
-    with their events. Never an open run. On the partitioned store, first each history
-    partition of times before the cutoff whose runs all finished before it is dropped
-    whole (runs.partitions); then what is left goes `batch` runs per transaction."""
+    with their events, `batch` runs per transaction. Never an open run.
+
+    On the partitioned store (runs.partitions) a time partition goes whole: it is
+    dropped once its span ended before the cutoff and all its runs finished before
+    it (a run that finished late keeps its partition, and the runs beside it, until
+    it is past the cutoff too). Only the default partition is pruned row by row."""
     from runs import partitions
 
     if older_than <= timedelta(0):
         raise OpsError("the age must be more than 0s")
     now = now or timezone.now()
     cutoff = now - older_than
+    if partitions.in_use():
+        return _prune_partitioned(cutoff, now=now, dry_run=dry_run, batch=batch, actor=actor, via=via)
     old = Run.objects.filter(status__in=Run.TERMINAL, finished_at__lt=cutoff)
     if dry_run:
         return PruneResult(cutoff, old.count(), RunEvent.objects.filter(run__in=old).count())
-    dropped = partitions.drop_older_than(cutoff) if partitions.in_use() else []
-    runs = sum(d.runs for d in dropped)
-    run_events = sum(d.events for d in dropped)
+    runs = run_events = 0
     while True:
         with transaction.atomic():
             ids = list(old.order_by("finished_at").values_list("pk", flat=True)[:batch])
@@ -347,17 +350,36 @@ def prune_runs(
             # reopened between the read and here (requeue locks it), but be sure.
             runs += Run.objects.filter(pk__in=ids, status__in=Run.TERMINAL).delete()[0]
     _prune_rollups(cutoff)
+    return _pruned(PruneResult(cutoff, runs, run_events), now=now, actor=actor, via=via)
+
+
+def _pruned(result: PruneResult, *, now: datetime, actor: Any, via: str) -> PruneResult:
+    if result.runs or result.dropped:
+        detail: dict[str, Any] = {"runs": result.runs, "events": result.events}
+        if result.dropped:
+            detail["partitions dropped"] = list(result.dropped)
+        audit_record(actor=actor, via=via, action="pruned", obj=("runs", f"finished before {iso_z(result.cutoff)}"),
+                     at=now, detail=detail)
+    return result
+
+
+def _prune_partitioned(cutoff: datetime, *, now: datetime, dry_run: bool, batch: int, actor: Any,
+                       via: str) -> PruneResult:
+    from runs import partitions
+
+    terminal = list(Run.TERMINAL)
+    if dry_run:
+        runs, run_events = partitions.counted(partitions.droppable(cutoff))
+        default_runs, default_events = partitions.prune_default(cutoff, terminal, batch, dry_run=True)
+        return PruneResult(cutoff, runs + default_runs, run_events + default_events)
+    dropped = partitions.drop_older_than(cutoff)
+    runs, run_events = partitions.prune_default(cutoff, terminal, batch)
+    runs += sum(d.runs for d in dropped)
+    run_events += sum(d.events for d in dropped)
+    _prune_rollups(cutoff)
     _analyze_partitioned_runs()
-    if runs:
-        audit_record(
-            actor=actor,
-            via=via,
-            action="pruned",
-            obj=("runs", f"finished before {iso_z(cutoff)}"),
-            at=now,
-            detail={"runs": runs, "events": run_events, "partitions dropped": [d.name for d in dropped]},
-        )
-    return PruneResult(cutoff, runs, run_events, tuple(d.name for d in dropped))
+    return _pruned(PruneResult(cutoff, runs, run_events, tuple(d.name for d in dropped)), now=now, actor=actor,
+                   via=via)
 
 
 def _analyze_partitioned_runs() -> None:

@@ -6,10 +6,13 @@ The scanner holding partition 0 publishes `runs.keep_run_partitions` (runs.tasks
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import timedelta, datetime
+from datetime import datetime, timedelta
 
 from django.conf import settings
+from django.db import connection
 from django.utils import timezone
 
 from runs import partitions
@@ -17,6 +20,7 @@ from runs import partitions
 logger = logging.getLogger(__name__)
 
 OFF = ("off", "never", "")
+UPKEEP_LOCK = 0x52554E53  # pg_try_advisory_lock key of the upkeep ("RUNS")
 
 
 @dataclass
@@ -26,6 +30,7 @@ class Kept:
     pruned_runs: int = 0
     pruned_events: int = 0
     dropped: list[str] = field(default_factory=list)
+    skipped: bool = False  # another upkeep held the lock
 
 
 def retention() -> timedelta | None:
@@ -48,11 +53,39 @@ def every() -> float:
 
 def keep(now: datetime | None = None) -> Kept:
     """Make the partitions due ahead, say loudly which are still missing, and prune
-    what is past the retention."""
-    from runs.ops import prune_runs
-
+    what is past the retention; nothing if another upkeep is at it (`skipped`)."""
     now = now or timezone.now()
     kept = Kept()
+    with _alone() as alone:
+        if alone:
+            _keep(now, kept)
+        else:
+            kept.skipped = True
+    return kept
+
+
+@contextmanager
+def _alone() -> Iterator[bool]:
+    """One upkeep at a time: a slow one (a big first prune) must not have the next
+    ones the scanner publishes pile up behind its locks. A session advisory lock on
+    PostgreSQL (released here, or with the connection)."""
+    if connection.vendor != "postgresql":
+        yield True
+        return
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_try_advisory_lock(%s)", [UPKEEP_LOCK])
+        had = cursor.fetchone()[0]
+    try:
+        yield had
+    finally:
+        if had:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_advisory_unlock(%s)", [UPKEEP_LOCK])
+
+
+def _keep(now: datetime, kept: Kept) -> None:
+    from runs.ops import prune_runs
+
     if partitions.in_use():
         kept.made = partitions.make_ahead(now)
         kept.missing = partitions.missing(now)
@@ -67,4 +100,3 @@ def keep(now: datetime | None = None) -> Kept:
         result = prune_runs(older_than=keep_for, now=now, actor="retention (SCHEDULER_RUN_RETENTION)", via="command")
         kept.pruned_runs, kept.pruned_events = result.runs, result.events
         kept.dropped = list(result.dropped)
-    return kept

@@ -130,18 +130,42 @@ def test_prune_drops_a_whole_old_partition_with_its_events_and_notices_and_keeps
     assert entry.detail["partitions dropped"] == ["runs_p20260801_0000", "runs_p20260802_0000"]
 
 
-def test_a_partition_holding_a_run_that_finished_after_the_cutoff_is_kept_and_pruned_row_by_row() -> None:
+def test_a_partition_holding_a_run_that_finished_after_the_cutoff_is_kept_whole_until_that_run_is_old() -> None:
+    """A time partition is never pruned row by row (each upkeep would delete its rows
+    one by one): it waits until its last run finished before the cutoff."""
     now = utc("2026-12-06T10:00:00Z")
     job = make_job()
     partitions.make(partitions.span_at(utc("2026-08-01T00:00:00Z")))
     early = ended(job, utc("2026-08-01T01:00:00Z"), utc("2026-08-01T01:00:09Z"))
     # Late: scheduled on 08-01, it ended yesterday (a paused job's run, cancelled now).
     late = ended(job, utc("2026-08-01T02:00:00Z"), now - DAY, status=S.CANCELLED)
+    assert ops.prune_runs(older_than=timedelta(days=90), now=now, dry_run=True).runs == 0
     result = ops.prune_runs(older_than=timedelta(days=90), now=now)
-    assert result.dropped == () and (result.runs, result.events) == (1, 1)
-    assert [r.pk for r in Run.objects.filter(job=job)] == [late.pk]
-    assert not Run.objects.filter(pk=early.pk).exists()
-    assert [s.name for s in partitions.spans()] == ["runs_p20260801_0000"]
+    assert result.dropped == () and (result.runs, result.events) == (0, 0)
+    assert set(Run.objects.filter(job=job).values_list("pk", flat=True)) == {early.pk, late.pk}
+    assert not AuditEntry.objects.filter(action="pruned").exists()
+    later = now + timedelta(days=90)  # the late run finished a day before `now`: now past the cutoff too
+    assert (ops.prune_runs(older_than=timedelta(days=90), now=later, dry_run=True).runs,
+            ops.prune_runs(older_than=timedelta(days=90), now=later, dry_run=True).events) == (2, 2)
+    result = ops.prune_runs(older_than=timedelta(days=90), now=later)
+    assert result.dropped == ("runs_p20260801_0000",) and (result.runs, result.events) == (2, 2)
+    assert not Run.objects.filter(job=job).exists()
+
+
+def test_the_default_partition_is_pruned_row_by_row_and_a_dry_run_counts_both() -> None:
+    now = utc("2026-12-06T10:00:00Z")
+    job = make_job()
+    partitions.make(partitions.span_at(utc("2026-08-01T00:00:00Z")))
+    in_day = ended(job, utc("2026-08-01T01:00:00Z"), utc("2026-08-01T01:00:09Z"))
+    in_default = [ended(job, utc(f"2026-07-0{d}T01:00:00Z"), utc(f"2026-07-0{d}T01:00:09Z")) for d in (1, 2, 3)]
+    young_default = ended(job, utc("2026-11-01T01:00:00Z"), utc("2026-11-01T01:00:09Z"))
+    assert {table_of(r) for r in in_default} == {"runs_history"}
+    dry = ops.prune_runs(older_than=timedelta(days=90), now=now, dry_run=True)
+    assert (dry.runs, dry.events) == (4, 4) and Run.objects.filter(job=job).count() == 5
+    result = ops.prune_runs(older_than=timedelta(days=90), now=now, batch=2)
+    assert (result.runs, result.events, result.dropped) == (4, 4, ("runs_p20260801_0000",))
+    assert list(Run.objects.filter(job=job).values_list("pk", flat=True)) == [young_default.pk]
+    assert not RunEvent.objects.filter(run_id__in=[in_day.pk, *[r.pk for r in in_default]]).exists()
 
 
 def test_a_run_that_ends_into_the_partition_while_it_is_dropped_keeps_it() -> None:
@@ -185,3 +209,19 @@ def test_a_retention_of_off_prunes_nothing() -> None:
     assert retention.retention() is None
     assert retention.keep(utc("2026-12-06T10:00:00Z")).pruned_runs == 0
     assert Run.objects.filter(pk=run.pk).exists()
+
+
+def test_an_upkeep_is_skipped_while_another_one_is_at_it() -> None:
+    import psycopg
+
+    params = connection.get_connection_params()
+    other = psycopg.connect(**{k: v for k, v in params.items() if k in ("dbname", "user", "host", "port", "password")},
+                            autocommit=True)
+    try:
+        other.execute("SELECT pg_advisory_lock(%s)", [retention.UPKEEP_LOCK])
+        kept = retention.keep(utc("2026-12-06T10:00:00Z"))
+        assert kept.skipped and kept.made == [] and partitions.spans() == []
+    finally:
+        other.close()
+    kept = retention.keep(utc("2026-12-06T10:00:00Z"))
+    assert not kept.skipped and len(kept.made) == 4
