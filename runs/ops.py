@@ -24,6 +24,7 @@ transaction: `actor` is the admin's user, or None for a command (the OS user).
 from __future__ import annotations
 
 import re
+import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -320,37 +321,51 @@ def prune_runs(
     batch: int = PRUNE_BATCH,
     actor: Any = None,
     via: str = "command",
+    whole_partitions_only: bool = False,
 ) -> PruneResult:
     """Delete finished runs (terminal statuses) that finished before now - older_than,
     with their events, `batch` runs per transaction. Never an open run.
 
-    On the partitioned store (runs.partitions) a time partition goes whole: it is
-    dropped once its span ended before the cutoff and all its runs finished before
-    it (a run that finished late keeps its partition, and the runs beside it, until
-    it is past the cutoff too). Only the default partition is pruned row by row."""
+    On the partitioned store (runs.partitions) a time partition whose span ended before
+    the cutoff and whose runs all finished before it is dropped whole, first. Then the
+    rows: every old run left (a partition holding a run that finished after the cutoff
+    keeps its younger runs, and loses its old ones row by row) or, with
+    `whole_partitions_only` (the retention upkeep, every few minutes: row deletes
+    there would be a steady load), only those of the default partition; a time
+    partition's old runs then wait until it can be dropped."""
     from runs import partitions
 
     if older_than <= timedelta(0):
         raise OpsError("the age must be more than 0s")
     now = now or timezone.now()
     cutoff = now - older_than
-    if partitions.in_use():
-        return _prune_partitioned(cutoff, now=now, dry_run=dry_run, batch=batch, actor=actor, via=via)
+    partitioned = partitions.in_use()
     old = Run.objects.filter(status__in=Run.TERMINAL, finished_at__lt=cutoff)
     if dry_run:
+        if partitioned and whole_partitions_only:
+            runs, run_events = partitions.counted(partitions.droppable(cutoff))
+            more_runs, more_events = partitions.prune_default(cutoff, list(Run.TERMINAL), batch, dry_run=True)
+            return PruneResult(cutoff, runs + more_runs, run_events + more_events)
         return PruneResult(cutoff, old.count(), RunEvent.objects.filter(run__in=old).count())
-    runs = run_events = 0
-    while True:
-        with transaction.atomic():
-            ids = list(old.order_by("finished_at").values_list("pk", flat=True)[:batch])
-            if not ids:
-                break
-            run_events += RunEvent.objects.filter(run_id__in=ids).delete()[0]
-            # The status is checked again in the DELETE itself: a run cannot be
-            # reopened between the read and here (requeue locks it), but be sure.
-            runs += Run.objects.filter(pk__in=ids, status__in=Run.TERMINAL).delete()[0]
+    dropped = partitions.drop_older_than(cutoff) if partitioned else []
+    runs, run_events = sum(d.runs for d in dropped), sum(d.events for d in dropped)
+    if partitioned and whole_partitions_only:
+        more_runs, more_events = partitions.prune_default(cutoff, list(Run.TERMINAL), batch)
+        runs, run_events = runs + more_runs, run_events + more_events
+    else:
+        while True:
+            with transaction.atomic():
+                ids = list(old.order_by("finished_at").values_list("pk", flat=True)[:batch])
+                if not ids:
+                    break
+                run_events += RunEvent.objects.filter(run_id__in=ids).delete()[0]
+                # The status is checked again in the DELETE itself: a run cannot be
+                # reopened between the read and here (requeue locks it), but be sure.
+                runs += Run.objects.filter(pk__in=ids, status__in=Run.TERMINAL).delete()[0]
     _prune_rollups(cutoff)
-    return _pruned(PruneResult(cutoff, runs, run_events), now=now, actor=actor, via=via)
+    _analyze_partitioned_runs(dropped=bool(dropped))
+    return _pruned(PruneResult(cutoff, runs, run_events, tuple(d.name for d in dropped)), now=now, actor=actor,
+                   via=via)
 
 
 def _pruned(result: PruneResult, *, now: datetime, actor: Any, via: str) -> PruneResult:
@@ -363,34 +378,23 @@ def _pruned(result: PruneResult, *, now: datetime, actor: Any, via: str) -> Prun
     return result
 
 
-def _prune_partitioned(cutoff: datetime, *, now: datetime, dry_run: bool, batch: int, actor: Any,
-                       via: str) -> PruneResult:
-    from runs import partitions
-
-    terminal = list(Run.TERMINAL)
-    if dry_run:
-        runs, run_events = partitions.counted(partitions.droppable(cutoff))
-        default_runs, default_events = partitions.prune_default(cutoff, terminal, batch, dry_run=True)
-        return PruneResult(cutoff, runs + default_runs, run_events + default_events)
-    dropped = partitions.drop_older_than(cutoff)
-    runs, run_events = partitions.prune_default(cutoff, terminal, batch)
-    runs += sum(d.runs for d in dropped)
-    run_events += sum(d.events for d in dropped)
-    _prune_rollups(cutoff)
-    _analyze_partitioned_runs()
-    return _pruned(PruneResult(cutoff, runs, run_events, tuple(d.name for d in dropped)), now=now, actor=actor,
-                   via=via)
+# When this process last analyzed `runs` (time.monotonic()), for _analyze_partitioned_runs.
+_ANALYZED_AT: list[float] = []
+ANALYZE_EVERY = 3600.0
 
 
-def _analyze_partitioned_runs() -> None:
+def _analyze_partitioned_runs(*, dropped: bool = False) -> None:
     """ANALYZE the partitioned `runs` (PostgreSQL, migration runs 0015): autovacuum
     analyzes each partition but never the partitioned table itself, whose figures the
     planner reads for joins over it (the admin's run list joins jobs, and planned a
-    sequential scan of the history without them, when they were an empty table's).
-    prune_runs runs daily: it analyzes when the table was never analyzed, or its
-    partitions (whose figures autovacuum keeps) hold over twice the rows its own
-    figures say. Not when it shrank: a day's partition dropped leaves the plans as
-    they were, and ANALYZE, which samples every partition, takes seconds at 10^7 runs."""
+    sequential scan of the history without them, or with a table's of another shape:
+    `test_run_reads_use_indexes` after `test_due_query_plan`). prune_runs analyzes:
+
+    - when the table was never analyzed, or its partitions (whose figures autovacuum
+      keeps) hold over twice or under half the rows its own figures say;
+    - else, at most once an hour in a process, and not in a call that dropped a
+      partition: ANALYZE samples every partition (seconds at 10^7 runs), and a day's
+      partition dropped of many changes little."""
     if connection.vendor != "postgresql":
         return
     with connection.cursor() as cursor:
@@ -401,8 +405,13 @@ def _analyze_partitioned_runs() -> None:
                  FROM pg_class c WHERE c.oid = 'runs'::regclass"""
         )
         kind, own, partitions_sum = cursor.fetchone()
-        if kind == "p" and (own < 0 or partitions_sum > 2 * own + 1000):
+        if kind != "p":
+            return
+        drifted = own < 0 or partitions_sum > 2 * own + 1000 or partitions_sum < own / 2
+        due = not dropped and (not _ANALYZED_AT or time.monotonic() - _ANALYZED_AT[-1] > ANALYZE_EVERY)
+        if drifted or due:
             cursor.execute("ANALYZE runs")
+            _ANALYZED_AT[:] = [time.monotonic()]
 
 
 def _prune_rollups(cutoff: datetime) -> None:

@@ -15,16 +15,17 @@ partition [start, end) of the history holds the ended runs scheduled in that spa
   under the lock that ATTACH takes anyway, so that ATTACH finds the default empty of
   it. `missing` says which spans from now on have no partition: the upkeep logs them
   as an error and the command's `--check` fails on them.
-- **Dropped whole, never pruned by rows.** `drop_older_than(cutoff)` (prune_runs)
+- **Dropped whole.** `drop_older_than(cutoff)` (prune_runs)
   drops a partition whose span ended before the cutoff and whose runs all finished
   before it (the partition's `runs_finished_idx`: a late run that ended after the
   cutoff keeps its whole partition until it is old enough; a row with no
   `finished_at` counts as finished at its scheduled time). Its runs' events and
   notices go first, read by the runs' id range and the partition's key. Open runs
   are never in such a partition, so CONTRACT.md's rule (never an open run) holds by
-  construction. Only the default partition is pruned row by row (`prune_default`):
-  deleting a time partition's rows one by one, every upkeep, is the load this
-  design removes (a 30-minute run at 985 runs/s fell behind under it).
+  construction. The retention upkeep prunes rows of the default partition alone
+  (`prune_default`): deleting a time partition's rows one by one, every upkeep, is
+  the load this design removes (a 30-minute run at 985 runs/s fell behind under it).
+  The `prune_runs` command, after its drops, deletes every old run left by rows.
 
 Locks. Making a partition takes SHARE UPDATE EXCLUSIVE on `runs` (claims and outcomes
 go on) and ACCESS EXCLUSIVE on `runs_history` (an outcome moving a run of a time no
@@ -229,8 +230,8 @@ DEFAULT_OLD_IDS = """SELECT id FROM runs_history WHERE status = ANY(%s) AND fini
 def prune_default(cutoff: datetime, terminal: list[str], batch: int, *, dry_run: bool = False) -> tuple[int, int]:
     """The row path, for the default partition alone (runs of times no partition
     covers): finished runs that finished before the cutoff, with their events and
-    notices, `batch` runs a transaction. Returns (runs, events). A time partition is
-    never pruned by rows: its runs go when all of them are past the cutoff (drop)."""
+    notices, `batch` runs a transaction. Returns (runs, events). The upkeep prunes no
+    time partition by rows: its runs go when all of them are past the cutoff (drop)."""
     if dry_run:
         with connection.cursor() as cursor:
             cursor.execute("SELECT count(*) FROM runs_history WHERE status = ANY(%s) AND finished_at < %s",

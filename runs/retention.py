@@ -97,6 +97,7 @@ def _keep(now: datetime, kept: Kept) -> None:
             )
     keep_for = retention()
     if keep_for is not None:
-        result = prune_runs(older_than=keep_for, now=now, actor="retention (SCHEDULER_RUN_RETENTION)", via="command")
+        result = prune_runs(older_than=keep_for, now=now, actor="retention (SCHEDULER_RUN_RETENTION)", via="command",
+                            whole_partitions_only=True)
         kept.pruned_runs, kept.pruned_events = result.runs, result.events
         kept.dropped = list(result.dropped)

@@ -130,29 +130,48 @@ def test_prune_drops_a_whole_old_partition_with_its_events_and_notices_and_keeps
     assert entry.detail["partitions dropped"] == ["runs_p20260801_0000", "runs_p20260802_0000"]
 
 
-def test_a_partition_holding_a_run_that_finished_after_the_cutoff_is_kept_whole_until_that_run_is_old() -> None:
-    """A time partition is never pruned row by row (each upkeep would delete its rows
-    one by one): it waits until its last run finished before the cutoff."""
+def test_a_partition_holding_a_run_that_finished_after_the_cutoff_is_kept_whole_by_the_upkeep() -> None:
+    """The retention upkeep never prunes a time partition row by row (every few
+    minutes, that would be a steady load of row deletes): it waits until the
+    partition's last run finished before the cutoff, then drops it."""
     now = utc("2026-12-06T10:00:00Z")
     job = make_job()
     partitions.make(partitions.span_at(utc("2026-08-01T00:00:00Z")))
     early = ended(job, utc("2026-08-01T01:00:00Z"), utc("2026-08-01T01:00:09Z"))
     # Late: scheduled on 08-01, it ended yesterday (a paused job's run, cancelled now).
     late = ended(job, utc("2026-08-01T02:00:00Z"), now - DAY, status=S.CANCELLED)
-    assert ops.prune_runs(older_than=timedelta(days=90), now=now, dry_run=True).runs == 0
-    result = ops.prune_runs(older_than=timedelta(days=90), now=now)
+    whole = {"older_than": timedelta(days=90), "whole_partitions_only": True}
+    assert ops.prune_runs(now=now, dry_run=True, **whole).runs == 0
+    result = ops.prune_runs(now=now, **whole)
     assert result.dropped == () and (result.runs, result.events) == (0, 0)
     assert set(Run.objects.filter(job=job).values_list("pk", flat=True)) == {early.pk, late.pk}
     assert not AuditEntry.objects.filter(action="pruned").exists()
     later = now + timedelta(days=90)  # the late run finished a day before `now`: now past the cutoff too
-    assert (ops.prune_runs(older_than=timedelta(days=90), now=later, dry_run=True).runs,
-            ops.prune_runs(older_than=timedelta(days=90), now=later, dry_run=True).events) == (2, 2)
-    result = ops.prune_runs(older_than=timedelta(days=90), now=later)
+    dry = ops.prune_runs(now=later, dry_run=True, **whole)
+    assert (dry.runs, dry.events) == (2, 2)
+    result = ops.prune_runs(now=later, **whole)
     assert result.dropped == ("runs_p20260801_0000",) and (result.runs, result.events) == (2, 2)
     assert not Run.objects.filter(job=job).exists()
 
 
-def test_the_default_partition_is_pruned_row_by_row_and_a_dry_run_counts_both() -> None:
+def test_the_command_prunes_such_a_partitions_old_runs_row_by_row_and_keeps_the_late_one() -> None:
+    """`prune_runs --older-than` (CONTRACT.md: it deletes the finished runs older than
+    that) drops what it can whole, then deletes every old run left, by rows."""
+    now = timezone.now()
+    job = make_job()
+    day = partitions.span_at(now - timedelta(days=120))
+    partitions.make(day)
+    early = ended(job, day.start + timedelta(hours=1), day.start + timedelta(hours=1, seconds=9))
+    late = ended(job, day.start + timedelta(hours=2), now - DAY, status=S.CANCELLED)
+    out = io.StringIO()
+    call_command("prune_runs", "--older-than", "90d", stdout=out)
+    assert out.getvalue().startswith("deleted 1 finished run(s) and 1 event(s)")
+    assert not Run.objects.filter(pk=early.pk).exists() and Run.objects.filter(pk=late.pk).exists()
+    assert [s.name for s in partitions.spans()] == [day.name]
+
+
+@pytest.mark.parametrize("whole_partitions_only", [False, True])
+def test_the_default_partition_is_pruned_row_by_row_and_a_dry_run_counts_both(whole_partitions_only: bool) -> None:
     now = utc("2026-12-06T10:00:00Z")
     job = make_job()
     partitions.make(partitions.span_at(utc("2026-08-01T00:00:00Z")))
@@ -160,9 +179,10 @@ def test_the_default_partition_is_pruned_row_by_row_and_a_dry_run_counts_both() 
     in_default = [ended(job, utc(f"2026-07-0{d}T01:00:00Z"), utc(f"2026-07-0{d}T01:00:09Z")) for d in (1, 2, 3)]
     young_default = ended(job, utc("2026-11-01T01:00:00Z"), utc("2026-11-01T01:00:09Z"))
     assert {table_of(r) for r in in_default} == {"runs_history"}
-    dry = ops.prune_runs(older_than=timedelta(days=90), now=now, dry_run=True)
+    mode = {"older_than": timedelta(days=90), "whole_partitions_only": whole_partitions_only}
+    dry = ops.prune_runs(now=now, dry_run=True, **mode)
     assert (dry.runs, dry.events) == (4, 4) and Run.objects.filter(job=job).count() == 5
-    result = ops.prune_runs(older_than=timedelta(days=90), now=now, batch=2)
+    result = ops.prune_runs(now=now, batch=2, **mode)
     assert (result.runs, result.events, result.dropped) == (4, 4, ("runs_p20260801_0000",))
     assert list(Run.objects.filter(job=job).values_list("pk", flat=True)) == [young_default.pk]
     assert not RunEvent.objects.filter(run_id__in=[in_day.pk, *[r.pk for r in in_default]]).exists()
@@ -225,3 +245,56 @@ def test_an_upkeep_is_skipped_while_another_one_is_at_it() -> None:
         other.close()
     kept = retention.keep(utc("2026-12-06T10:00:00Z"))
     assert not kept.skipped and len(kept.made) == 4
+
+
+def _most_rows_a_history_scan_gave(sql: str, params: Any) -> int:
+    """The most rows any scan of a history partition returned per loop, under EXPLAIN ANALYZE."""
+    import json
+
+    with connection.cursor() as cursor:
+        cursor.execute(f"EXPLAIN (ANALYZE, FORMAT JSON) {sql}", params)
+        plan = cursor.fetchone()[0]
+    plan = json.loads(plan) if isinstance(plan, str) else plan
+    most, stack = 0, [plan[0]["Plan"]]
+    while stack:
+        node = stack.pop()
+        stack.extend(node.get("Plans", []))
+        if node.get("Relation Name", "").startswith("runs_p"):
+            most = max(most, node["Actual Rows"])
+    return most
+
+
+def test_a_jobs_latest_counted_time_reads_one_row_a_partition_not_all_its_runs() -> None:
+    """The outcome's read of each job's latest counted time (runs.services
+    _latest_counted), and the admin's last outcome, walk each partition's (job, key,
+    time) index back from its newest row. Ordered by scheduled_for alone they read
+    every run of the job in every partition and sorted them (500 a partition here)."""
+    from django.test.utils import CaptureQueriesContext
+
+    from bench.load import defaults_sql
+    from jobs.admin import _last_outcome
+    from jobs.models import Job
+    from runs.services import _latest_counted
+
+    job = make_job()
+    days = [partitions.span_at(utc(f"2026-11-0{d}T00:00:00Z")) for d in (1, 2, 3)]
+    for day in days:
+        partitions.make(day)
+    columns, values = defaults_sql(Run, {
+        "job_id": str(job.pk), "scheduled_for": "t", "due_at": "t", "partition": "0", "status": "'succeeded'",
+        "finished_at": "t + interval '1 second'", "created_at": "t",
+    })
+    with connection.cursor() as cursor:
+        for day in days:
+            cursor.execute(f"INSERT INTO runs ({columns}) SELECT {values} FROM generate_series(0, 499) g, "
+                           "LATERAL (SELECT %s::timestamptz + g * interval '2 minutes' AS t) s", [day.start])
+        cursor.execute("ANALYZE runs")
+    newest = days[-1].start + 499 * timedelta(minutes=2)
+    with CaptureQueriesContext(connection) as queries:
+        assert _latest_counted([job.pk]) == {job.pk: newest}
+    [read] = [q["sql"] for q in queries.captured_queries if "runs" in q["sql"]]
+    assert _most_rows_a_history_scan_gave(read, None) <= 1, read
+    outcome = Job.objects.filter(pk=job.pk).annotate(o=_last_outcome()).values_list("o", flat=True)
+    assert list(outcome) == [S.SUCCEEDED]
+    sql, params = outcome.query.sql_with_params()
+    assert _most_rows_a_history_scan_gave(sql, params) <= 1, sql
