@@ -21,7 +21,7 @@ from django.db.models import BooleanField, Case, DateTimeField, ExpressionWrappe
 from django.db.models.expressions import Expression, RawSQL
 from django.utils import timezone
 
-from runs.models import ON_ROW_CLAIMED, ON_ROW_QUEUED, OPEN_KEPT_FOR_SQL, Run, with_status
+from runs.models import ON_ROW_CLAIMED, ON_ROW_QUEUED, OPEN_KEPT_FOR, OPEN_KEPT_FOR_SQL, Run, with_status
 
 S = Run.Status
 
@@ -455,7 +455,7 @@ def detach_many(*, fences: dict[int, int]) -> list[int]:
             .values_list("pk", flat=True)
         )
         if ids:
-            Run.objects.filter(pk__in=ids).update(detached=True)
+            Run.objects.filter(pk__in=ids, kept_for=OPEN_KEPT_FOR).update(detached=True)
     return ids
 
 
@@ -529,14 +529,15 @@ def defer_many(*, due: dict[int, datetime]) -> dict[int, tuple[datetime | None, 
     with transaction.atomic():
         found = {
             pk: (queued_at, locked_at)
-            for pk, queued_at, locked_at in Run.objects.filter(nobody_holds_it, pk__in=list(due), held=False)
+            for pk, queued_at, locked_at in Run.objects.filter(
+                nobody_holds_it, pk__in=list(due), held=False, kept_for=OPEN_KEPT_FOR)
             .select_for_update(skip_locked=True, of=("self",))
             .order_by("pk")
             .annotate(locked_at=StoreClock())
             .values_list("pk", "queued_at", "locked_at")
         }
         if found:
-            Run.objects.filter(pk__in=list(found)).update(
+            Run.objects.filter(pk__in=list(found), kept_for=OPEN_KEPT_FOR).update(
                 status=S.SCHEDULED,
                 due_at=Case(*[When(pk=pk, then=Value(due[pk])) for pk in found], output_field=DateTimeField()),
                 queued_at=None, lease_owner="", lease_expires_at=None,
@@ -566,7 +567,8 @@ def release_expired_leases(*, partitions: list[int], now: datetime, limit: int) 
         limit,
     )
     if ids:
-        Run.objects.filter(pk__in=ids).update(status=S.QUEUED, queued_at=now, lease_owner="", lease_expires_at=None)
+        Run.objects.filter(pk__in=ids, kept_for=OPEN_KEPT_FOR).update(
+            status=S.QUEUED, queued_at=now, lease_owner="", lease_expires_at=None)
     return ids
 
 
@@ -603,7 +605,7 @@ def touch_unclaimed(
         limit,
     )
     if ids:
-        Run.objects.filter(pk__in=ids).update(queued_at=now)
+        Run.objects.filter(pk__in=ids, kept_for=OPEN_KEPT_FOR).update(queued_at=now)
     return ids
 
 
@@ -682,7 +684,8 @@ def mark_queued(*, run_ids: list[int], now: datetime, on_row: bool = False) -> i
     if not run_ids:
         return 0
     if not on_row:
-        return Run.objects.filter(pk__in=run_ids, status=S.SCHEDULED).update(status=S.QUEUED, queued_at=now)
-    return Run.objects.filter(pk__in=run_ids, status=S.SCHEDULED).update(
+        return Run.objects.filter(pk__in=run_ids, status=S.SCHEDULED, kept_for=OPEN_KEPT_FOR).update(
+            status=S.QUEUED, queued_at=now)
+    return Run.objects.filter(pk__in=run_ids, status=S.SCHEDULED, kept_for=OPEN_KEPT_FOR).update(
         status=S.QUEUED, queued_at=now, on_row=F("on_row").bitor(ON_ROW_QUEUED), on_row_queued_at=now
     )

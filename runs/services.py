@@ -730,7 +730,7 @@ def run_execute_many(*, run_ids: list[int], worker: str | None = None, sent_at: 
     # Leases, slots, breakers and due times are all in the store's clock; the offset
     # turns this machine's clock into it for the waits.
     now, offset = claims.store_clock_offset()
-    found = {r.pk: r for r in Run.objects.select_related("job").filter(pk__in=run_ids)}
+    found = {r.pk: r for r in Run.objects.select_related("job").filter(pk__in=run_ids, kept_for=OPEN_KEPT_FOR)}
     candidates = []
     for run_id in dict.fromkeys(run_ids):
         run = found.get(run_id)
@@ -1432,7 +1432,7 @@ def _hold_retries(retried: list[Run], now: datetime) -> list[events.Event]:
     ids = [run.pk for run in retried if run.job_id in held]
     if not ids:
         return []
-    Run.objects.filter(pk__in=ids, status=S.SCHEDULED).update(held=True)
+    Run.objects.filter(pk__in=ids, status=S.SCHEDULED, kept_for=OPEN_KEPT_FOR).update(held=True)
     return [events.event(pk, "held", now, reason="job or target paused during the call") for pk in ids]
 
 

@@ -22,7 +22,7 @@ from jobs.models import Job
 from runs import claims, events, notices
 from jobs.validators import target_key
 from runs.delivery import iso_z
-from runs.models import OPEN_KEPT_FOR_SQL, Run
+from runs.models import OPEN_KEPT_FOR, OPEN_KEPT_FOR_SQL, Run
 from runs.services import EXCLUDED_PREFIX, job_next_run, jobs_lock, notify_dead, run_next_create
 
 logger = logging.getLogger("scheduler.scanner")
@@ -321,14 +321,14 @@ def _stop_runs_of_stopped_jobs(ids: list[int], now: datetime, found: list[events
     waiting, held, for the resume to release (jobs.services.job_resume)."""
     if not ids:
         return set()
-    rows = Run.objects.filter(pk__in=ids).values_list("pk", "job__state", "job__paused")
+    rows = Run.objects.filter(pk__in=ids, kept_for=OPEN_KEPT_FOR).values_list("pk", "job__state", "job__paused")
     deleted = [pk for pk, state, _ in rows if state == Job.State.DELETED]
     paused = [pk for pk, state, is_paused in rows if state != Job.State.DELETED and is_paused]
     if deleted:
-        Run.objects.filter(pk__in=deleted, status=S.QUEUED).update(status=S.CANCELLED, finished_at=now, queued_at=None)
+        Run.objects.filter(pk__in=deleted, status=S.QUEUED, kept_for=OPEN_KEPT_FOR).update(status=S.CANCELLED, finished_at=now, queued_at=None)
         found += [events.event(pk, "cancelled", now, reason="job deleted") for pk in deleted]
     if paused:
-        Run.objects.filter(pk__in=paused, status=S.QUEUED).update(status=S.SCHEDULED, held=True, queued_at=None)
+        Run.objects.filter(pk__in=paused, status=S.QUEUED, kept_for=OPEN_KEPT_FOR).update(status=S.SCHEDULED, held=True, queued_at=None)
         found += [events.event(pk, "held", now, reason="job paused") for pk in paused]
     return {*deleted, *paused}
 
