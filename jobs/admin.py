@@ -34,7 +34,7 @@ from jobs.public_ids import format_id, parse_id
 from jobs.serializers import JobSerializer
 from jobs.validators import METHODS, target_key, validate_task_prefix
 from runs.delivery import iso_z
-from runs.models import OPEN_KEPT_FOR, Run
+from runs.models import OPEN_KEPT_FOR, Run, ended_newest_first
 
 PREVIEW_COUNT = 5
 # API names of the form's fields (nested `retry` keys as "retry.<key>").
@@ -379,17 +379,8 @@ class CodeOwnedFilter(admin.SimpleListFilter):
 # --------------------------------------------------------------------------- the admin
 
 
-def _ended_newest_first(**filters: Any) -> Any:
-    """A job's ended runs, newest scheduled time first, in the order of its
-    (job, kept_for, scheduled_for) index: an ended run's key is its time
-    (runs.models.kept_for_of), so each history partition gives its newest row
-    instead of sorting all of the job's runs in it."""
-    return Run.objects.filter(status__in=Run.TERMINAL, kept_for__lt=OPEN_KEPT_FOR, **filters).order_by(
-        "-kept_for", "-scheduled_for")  # (job, kept_for, scheduled_for) is unique: no tie to break
-
-
 def _last_outcome() -> Subquery:
-    return Subquery(_ended_newest_first(job=OuterRef("pk")).values("status")[:1])
+    return Subquery(ended_newest_first(Run.TERMINAL, job=OuterRef("pk")).values("status")[:1])
 
 
 @admin.register(Job)
@@ -498,7 +489,7 @@ class JobAdmin(admin.ModelAdmin):
         context = dict(extra_context or {})
         pk = parse_id("job", object_id)
         if pk is not None:
-            last_ended = _ended_newest_first(job_id=pk).first()
+            last_ended = ended_newest_first(Run.TERMINAL, job_id=pk).first()
             # The newest of the job's open runs (a few: its next one, backfills, a
             # manual run) and its newest ended one.
             newest_open = Run.objects.filter(job_id=pk, kept_for=OPEN_KEPT_FOR).order_by("-scheduled_for", "-id").first()

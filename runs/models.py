@@ -208,6 +208,17 @@ def with_status(*statuses: str) -> models.Q:
         q &= models.Q(kept_for__lt=OPEN_KEPT_FOR)
     return q
 
+
+def ended_newest_first(statuses: tuple[str, ...], **filters: object) -> models.QuerySet:
+    """Ended runs in these statuses, newest scheduled time first, in the order of the
+    (job, kept_for, scheduled_for) index: an ended run's key is its scheduled time
+    (kept_for_of), so with a job named each history partition gives its newest row and
+    a merge takes the first. Ordered by `scheduled_for` alone, every partition read all
+    of the job's runs in it and sorted them (1,440 a day's partition for an
+    every-minute job). (job, kept_for, scheduled_for) is unique: no tie to break."""
+    assert not any(s in STAGE_OF for s in statuses), statuses
+    return Run.objects.filter(with_status(*statuses), **filters).order_by("-kept_for", "-scheduled_for")
+
 # Run.on_row bits: the happy path's five timeline entries, each on the row while set.
 ON_ROW_SCHEDULED = 1
 ON_ROW_QUEUED = 2

@@ -51,13 +51,19 @@ LOCK_TIMEOUT = "500ms"
 LOCK_NOT_HAD = ("55P03", "40P01")  # lock_timeout; a deadlock, this side chosen to give way
 PREFIX = "runs_p"
 
-# Every column but the generated `stage` (as migration runs 0015 lists them).
-COLUMNS = (
-    "id, scheduled_for, due_at, partition, status, held, attempt, fence, lease_owner, lease_expires_at, "
-    "queued_at, started_at, finished_at, last_error, is_backfill, created_at, job_id, handled_at, handled_by, "
-    "attempt_base, detached, on_row, on_row_due_at, on_row_queued_at, on_row_claimed_at, on_row_worker, "
-    "on_row_answer, on_row_duration_ms, on_row_made_by, kept_for"
-)
+
+
+def _columns() -> str:
+    """Every column of runs but the generated `stage` (the store computes it), from
+    the model: a column added later moves with the rows too."""
+    from runs.models import Run
+
+    return ", ".join(f.column for f in Run._meta.concrete_fields if not getattr(f, "generated", False))
+
+
+# A partition's runs' rows in run_events or notices (alias e): the runs' id range reads
+# the table's run index, and the partition's key checks each row.
+OF_PARTITION = "e.run_id BETWEEN %s AND %s AND EXISTS (SELECT 1 FROM {table} r WHERE r.id = e.run_id)"
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,9 @@ class Span:
     name: str
     start: datetime
     end: datetime
+
+    def __str__(self) -> str:
+        return f"[{self.start:%Y-%m-%dT%H:%MZ}, {self.end:%Y-%m-%dT%H:%MZ})"
 
 
 @dataclass(frozen=True)
@@ -159,10 +168,11 @@ def make(span: Span) -> None:
         cursor.execute(
             f"ALTER TABLE {table} ADD CONSTRAINT {span.name}_span CHECK (kept_for >= {start} AND kept_for < {end})"
         )
+        columns = _columns()
         cursor.execute(
             f"""WITH moved AS (DELETE FROM runs_history WHERE kept_for >= {start} AND kept_for < {end}
-                               RETURNING {COLUMNS})
-                INSERT INTO {table} ({COLUMNS}) SELECT {COLUMNS} FROM moved"""
+                               RETURNING {columns})
+                INSERT INTO {table} ({columns}) SELECT {columns} FROM moved"""
         )
         moved = cursor.rowcount
         cursor.execute(f"ALTER TABLE runs ATTACH PARTITION {table} FOR VALUES FROM ({start}) TO ({end})")
@@ -217,8 +227,8 @@ def counted(spans_: list[Span]) -> tuple[int, int]:
             n, low, high = cursor.fetchone()
             runs += n
             if n:
-                cursor.execute(f"""SELECT count(*) FROM run_events e WHERE e.run_id BETWEEN %s AND %s
-                                      AND EXISTS (SELECT 1 FROM {table} r WHERE r.id = e.run_id)""", [low, high])
+                cursor.execute(f"SELECT count(*) FROM run_events e WHERE {OF_PARTITION.format(table=table)}",
+                               [low, high])
                 events += cursor.fetchone()[0]
     return runs, events
 
@@ -260,8 +270,10 @@ def drop_older_than(cutoff: datetime) -> list[Dropped]:
     """Drop each partition whose span ended at or before the cutoff and whose runs all
     finished before it; a partition it cannot lock in time is left for next time."""
     dropped = []
-    for span in droppable(cutoff):
-        try:
+    for span in spans():
+        if span.end > cutoff:
+            break
+        try:  # drop() probes whether all its runs finished before the cutoff
             done = drop(span, cutoff)
         except Exception as exc:  # noqa: BLE001 - a lock not had in time: next time
             if not _lock_not_had(exc):
@@ -285,19 +297,10 @@ def drop(span: Span, cutoff: datetime) -> Dropped | None:
             return None
         events = 0
         if runs:
-            # A run's events and notices go with it (the ORM's cascade, here by set):
-            # the id range reads run_events_run_idx, the partition's key checks each.
-            cursor.execute(
-                f"""DELETE FROM run_events e WHERE e.run_id BETWEEN %s AND %s
-                       AND EXISTS (SELECT 1 FROM {table} r WHERE r.id = e.run_id)""",
-                [low, high],
-            )
+            # A run's events and notices go with it (the ORM's cascade, here by set).
+            cursor.execute(f"DELETE FROM run_events e WHERE {OF_PARTITION.format(table=table)}", [low, high])
             events = cursor.rowcount
-            cursor.execute(
-                f"""DELETE FROM notices n WHERE n.run_id BETWEEN %s AND %s
-                       AND EXISTS (SELECT 1 FROM {table} r WHERE r.id = n.run_id)""",
-                [low, high],
-            )
+            cursor.execute(f"DELETE FROM notices e WHERE {OF_PARTITION.format(table=table)}", [low, high])
         # Nothing enters the partition once `runs` is ours: a run of this span that
         # ended meanwhile (its finished_at after the cutoff) is seen here, and the
         # whole transaction (its deletes too) is given up for next time.

@@ -93,7 +93,7 @@ def _keep(now: datetime, kept: Kept) -> None:
             logger.error(
                 "no run partition for %s: finished runs of those times go to runs_history, "
                 "and prune_runs deletes them row by row",
-                ", ".join(f"[{s.start:%Y-%m-%dT%H:%MZ}, {s.end:%Y-%m-%dT%H:%MZ})" for s in kept.missing),
+                ", ".join(map(str, kept.missing)),
             )
     keep_for = retention()
     if keep_for is not None:

@@ -32,6 +32,7 @@ from runs.claims import Claim
 from runs.delivery import CallResult
 from runs.models import (
     JOBS_OPEN_RUN, ON_ROW_ANSWERED, ON_ROW_SCHEDULED, ON_ROW_SUCCEEDED, OPEN_KEPT_FOR, OPEN_KEPT_FOR_SQL, Run,
+    ended_newest_first,
 )
 from runs.signals import job_paused, run_dead
 
@@ -433,19 +434,10 @@ def _latest_counted(job_ids: list[int]) -> dict[int, datetime]:
     with a million. Not a GROUP BY over the jobs' runs: with the status filter
     PostgreSQL can pick the status index and read every finished run of the table.
 
-    Ordered by `kept_for` first: a counted run has ended, so its key is its
-    scheduled time (Run.kept_for), and that order is the index's. Ordered by
-    `scheduled_for` alone, each partition of the history (migration runs 0015) read
-    all of the job's runs in it and sorted them: at a day's partition, 1,440 rows a
-    partition for an every-minute job, each outcome. With the key, each partition
-    gives its newest row and a merge takes the first."""
+    A counted run has ended: read in the history's key order (ended_newest_first)."""
     if not job_ids:
         return {}
-    latest = (
-        Run.objects.filter(job_id=OuterRef("pk"), is_backfill=False, status__in=COUNTED, kept_for__lt=OPEN_KEPT_FOR)
-        .order_by("-kept_for", "-scheduled_for")
-        .values("scheduled_for")[:1]
-    )
+    latest = ended_newest_first(COUNTED, job_id=OuterRef("pk"), is_backfill=False).values("scheduled_for")[:1]
     found = Job.objects.filter(pk__in=job_ids).annotate(t=Subquery(latest)).values_list("pk", "t")
     return {pk: t for pk, t in found if t is not None}
 
@@ -1454,11 +1446,7 @@ def _pause_after_failures(jobs: list[Job], now: datetime) -> None:
         limit = job.pause_after_failures
         if limit <= 0 or job.paused or job.state != Job.State.ACTIVE or not job.is_recurring:
             continue
-        latest = list(  # ended runs: by their key, the index's order (_latest_counted)
-            Run.objects.filter(job_id=job.pk, is_backfill=False, status__in=RAN, kept_for__lt=OPEN_KEPT_FOR)
-            .order_by("-kept_for", "-scheduled_for")
-            .values_list("status", flat=True)[:limit]
-        )
+        latest = list(ended_newest_first(RAN, job_id=job.pk, is_backfill=False).values_list("status", flat=True)[:limit])
         if len(latest) < limit or any(status != S.DEAD for status in latest):
             continue
         reason = f"its last {limit} runs ended dead (pause_after_failures={limit})"

@@ -325,10 +325,12 @@ def _stop_runs_of_stopped_jobs(ids: list[int], now: datetime, found: list[events
     deleted = [pk for pk, state, _ in rows if state == Job.State.DELETED]
     paused = [pk for pk, state, is_paused in rows if state != Job.State.DELETED and is_paused]
     if deleted:
-        Run.objects.filter(pk__in=deleted, status=S.QUEUED, kept_for=OPEN_KEPT_FOR).update(status=S.CANCELLED, finished_at=now, queued_at=None)
+        Run.objects.filter(pk__in=deleted, status=S.QUEUED, kept_for=OPEN_KEPT_FOR).update(
+            status=S.CANCELLED, finished_at=now, queued_at=None)
         found += [events.event(pk, "cancelled", now, reason="job deleted") for pk in deleted]
     if paused:
-        Run.objects.filter(pk__in=paused, status=S.QUEUED, kept_for=OPEN_KEPT_FOR).update(status=S.SCHEDULED, held=True, queued_at=None)
+        Run.objects.filter(pk__in=paused, status=S.QUEUED, kept_for=OPEN_KEPT_FOR).update(
+            status=S.SCHEDULED, held=True, queued_at=None)
         found += [events.event(pk, "held", now, reason="job paused") for pk in paused]
     return {*deleted, *paused}
 

@@ -33,11 +33,8 @@ class Command(BaseCommand):
         if check:
             gaps = partitions.missing(now, ahead)
             if gaps:
-                raise CommandError(
-                    "no runs partition for " + ", ".join(f"[{s.start:%Y-%m-%dT%H:%MZ}, {s.end:%Y-%m-%dT%H:%MZ})"
-                                                         for s in gaps)
-                    + "; run `python manage.py run_partitions` (or a scanner) to make them"
-                )
+                raise CommandError(f"no runs partition for {', '.join(map(str, gaps))}; "
+                                   "run `python manage.py run_partitions` (or a scanner) to make them")
         else:
             for span in partitions.make_ahead(now, ahead):
                 self.stdout.write(f"made {span.name}")

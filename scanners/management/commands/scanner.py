@@ -151,7 +151,7 @@ class Command(BaseCommand):
         """The scanner holding partition 0 publishes the runs history's upkeep
         (runs.retention.keep: partitions made ahead, retention) when it takes the
         partition and then every runs.retention.every() seconds. A worker runs it."""
-        if time.monotonic() < getattr(self, "upkeep_at", 0.0):
+        if time.monotonic() < self.upkeep_at:
             return
         self.upkeep_at = time.monotonic() + upkeep_every()
         try:
