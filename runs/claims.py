@@ -347,6 +347,7 @@ class Outcome:
 OUTCOMES_SQL = """
 UPDATE runs AS r
    SET status = v.status,
+       kept_for = CASE WHEN v.status IN ('scheduled', 'queued', 'running') THEN {open} ELSE r.scheduled_for END,
        finished_at = v.finished_at,
        due_at = COALESCE(v.due_at, r.due_at),
        last_error = v.error,

@@ -133,3 +133,24 @@ def test_the_prune_bench_drops_the_oldest_day_whole_and_times_the_due_query(tmp_
     assert len(found["dropped"]) == 1 and found["dropped"][0].startswith("runs_p")
     assert found["due_query_plan_unchanged"] is True
     assert found["prune_seconds"] > 0
+
+
+def test_the_wal_steps_probe_takes_runs_to_succeeded_and_finds_no_row_lock_in_the_worker(tmp_path: Path) -> None:
+    """bench/wal_steps.py (issue 18, step 7): the real queueing and worker batch take every
+    run to `succeeded` with its next run made, and the WAL read back per step shows the
+    worker's statements locking no run row on their own: before migration runs 0016 the
+    BEFORE UPDATE trigger had the claim and the outcome lock every row first (2.3 Heap/LOCK
+    records a run in this probe; a claim whose new version goes to another page still
+    writes one, hence the bound below one)."""
+    if not os.environ.get("DATABASE_URL"):
+        pytest.skip("reads PostgreSQL's WAL")
+    out = tmp_path / "steps.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "wal_steps.py"), "--runs", "50", "--json", str(out),
+                    "--db", "scheduler_test_wal_steps"], check=True, cwd=ROOT, timeout=300, capture_output=True)
+    found = json.loads(out.read_text())
+    assert (found["queued"], found["succeeded"], found["next_runs"]) == (50, 50, 50)
+    # The scanner's FOR UPDATE SKIP LOCKED: one lock a run, the one it means to take.
+    assert 0.9 <= found["steps"]["queue"]["row_locks_per_run"]["runs_open"] <= 1.2
+    assert found["steps"]["execute"]["row_locks_per_run"].get("runs_open", 0) < 1.0
+    # The outcome's lock of each job (runs.services.jobs_lock), which it does mean.
+    assert abs(found["steps"]["execute"]["row_locks_per_run"]["jobs"] - 1.0) < 0.05

@@ -78,16 +78,17 @@ def test_the_invariant_names_a_row_whose_key_broke_the_rule() -> None:
     job = make_job()
     good = make_run(job, T, status=S.SUCCEEDED)
     bad = make_run(job, T + timedelta(minutes=1))
-    # What a store without its trigger and check would let through.
+    # What a store without its check (and, on SQLite, its trigger) would let through
+    # from a statement written by hand.
     with connection.cursor() as cursor:
         if connection.vendor == "postgresql":
             cursor.execute("SET CONSTRAINTS ALL IMMEDIATE")  # the inserts' deferred key checks, first
             cursor.execute("ALTER TABLE runs DROP CONSTRAINT runs_kept_for_rule")
-            cursor.execute("ALTER TABLE runs DISABLE TRIGGER runs_kept_for")
         else:
             cursor.execute("DROP TRIGGER runs_kept_for_update")
     try:
-        Run.objects.filter(pk=bad.pk).update(status=S.DEAD)
+        with connection.cursor() as cursor:
+            cursor.execute("UPDATE runs SET status = 'dead' WHERE id = %s", [bad.pk])
         assert invariants.kept_for_rule() == [f"{bad.public_id} is dead with kept_for 9999-12-31T00:00:00Z"]
         assert kept_for(good) == kept_for_of(S.SUCCEEDED, T)
     finally:
@@ -95,3 +96,37 @@ def test_the_invariant_names_a_row_whose_key_broke_the_rule() -> None:
         if connection.vendor != "postgresql":
             with connection.cursor() as cursor:
                 cursor.execute(importlib.import_module("runs.migrations.0014_kept_for").SQLITE_FORWARD[2])
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="the check constraint: PostgreSQL")
+def test_a_statement_written_by_hand_that_ends_a_run_without_its_key_is_refused() -> None:
+    run = make_run(make_job(), T)
+    with pytest.raises(IntegrityError, match="runs_kept_for_rule"), transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute("UPDATE runs SET status = 'succeeded', finished_at = now() WHERE id = %s", [run.pk])
+    assert kept_for(run) == OPEN_KEPT_FOR
+
+
+def test_a_bulk_update_and_a_save_of_some_fields_set_the_key_too() -> None:
+    first, second = make_run(make_job(), T), make_run(make_job(), T + timedelta(minutes=1))
+    first.status, second.status = S.SKIPPED, S.QUEUED
+    Run.objects.bulk_update([first, second], ["status"])
+    assert (kept_for(first), kept_for(second)) == (T, OPEN_KEPT_FOR)
+    second.status = S.CANCELLED
+    second.save(update_fields=["status"])
+    assert kept_for(second) == T + timedelta(minutes=1)
+    assert invariants.kept_for_rule() == []
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="row locks: PostgreSQL")
+def test_runs_has_no_before_update_row_trigger() -> None:
+    """PostgreSQL locks each row an UPDATE touches before it asks a BEFORE UPDATE row
+    trigger whether it fires: a WAL record a row on every claim, outcome and heartbeat
+    (migration runs 0016). Nothing on runs or its partitions may have one."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """SELECT c.relname, t.tgname FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid
+                WHERE (c.oid = 'runs'::regclass OR c.oid IN (SELECT inhrelid FROM pg_inherits
+                                                            WHERE inhparent = 'runs'::regclass))
+                  AND t.tgtype & 1 = 1 AND t.tgtype & 2 = 2 AND t.tgtype & 16 = 16""")
+        assert cursor.fetchall() == []
