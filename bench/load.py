@@ -45,7 +45,7 @@ def insert_jobs(*, count: int, schedule_expr: str, target: str, window_seconds: 
 def defaults_sql(model: Any, given: dict[str, str]) -> tuple[str, str]:
     """(column list, select list) for INSERT ... SELECT: `given` columns as SQL expressions,
     every other column its model default, so new model fields need no change here."""
-    from runs.models import OPEN_KEPT_FOR, Run
+    from runs.models import Run
 
     columns, values = [], []
     for f in model._meta.concrete_fields:
@@ -55,7 +55,9 @@ def defaults_sql(model: Any, given: dict[str, str]) -> tuple[str, str]:
         if f.column in given:
             values.append(given[f.column])
             continue
-        if f.column == "kept_for" and model is Run:
+        if f.column == "kept_for" and model is Run:  # a tree with the column has the name
+            from runs.models import OPEN_KEPT_FOR
+
             # The history's key follows the row's status and time (Run.kept_for): the
             # store's check refuses an ended run inserted with the open run's default.
             status = given.get("status", f"'{Run.Status.SCHEDULED}'")

@@ -79,12 +79,17 @@ def _statements(stats_dir: Path) -> int:
 def _statement_counts(stats_dir: Path) -> tuple[int, dict[str, int]]:
     """The statements of every process, and (SCHEDULER_COUNT_STATEMENTS_BY_SQL=1) the
     same by process kind and the statements' first words, from one read of the files."""
-    total, by_sql = 0, {}  # type: int, dict[str, int]
+    total, by_sql = 0, {}  # type: int, dict[str, float]
     for body in _counter_files(stats_dir):
         total += int(body.get("statements", 0))
         for key, n in body.get("by_sql", {}).items():
             by_sql[key] = by_sql.get(key, 0) + n
+        for key, ms in body.get("ms_by_sql", {}).items():  # the time, under the key and MS_KEY
+            by_sql[key + MS_KEY] = by_sql.get(key + MS_KEY, 0.0) + ms
     return total, by_sql
+
+
+MS_KEY = " [ms]"
 
 
 def _by_sql_per_run(before: dict[str, int], after: dict[str, int], runs: int) -> dict[str, float]:
@@ -253,9 +258,14 @@ def sustained(args: argparse.Namespace) -> int:
             "layout": _layout_summary(args),
         }
         if by_sql1:
-            summary["statements_per_run_by_sql"] = _by_sql_per_run(by_sql0, by_sql1, started_in_time)
-            for key, n in list(summary["statements_per_run_by_sql"].items())[:30]:
-                print(f"{n:8.4f}  {key}")
+            per_run = _by_sql_per_run(by_sql0, by_sql1, started_in_time)
+            summary["statements_per_run_by_sql"] = {k: v for k, v in per_run.items() if not k.endswith(MS_KEY)}
+            summary["statement_ms_per_run_by_sql"] = {k.removesuffix(MS_KEY): v for k, v in per_run.items()
+                                                      if k.endswith(MS_KEY)}
+            for name in ("statements_per_run_by_sql", "statement_ms_per_run_by_sql"):
+                print(name)
+                for key, n in list(summary[name].items())[:25]:
+                    print(f"{n:8.4f}  {key}")
         print_table("sustained", [(k, v) for k, v in summary.items() if not isinstance(v, dict) and k != "lag_measured"])
         print("cpu seconds per run:", summary["cpu_s_per_run"])
         print("written", write_result(args.out_name, summary))

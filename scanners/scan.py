@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from time import monotonic
+from typing import Any
 
 from django.conf import settings
 from django.db import InterfaceError, OperationalError, connection, transaction
@@ -206,6 +207,32 @@ SELECT (SELECT min(due_at) FROM runs WHERE status = 'scheduled' AND NOT held AND
        (SELECT min(paused_until) FROM jobs WHERE paused_until IS NOT NULL AND paused AND id %% %s IN ({parts})),
        CASE WHEN %s THEN (SELECT min(due_at) FROM notices WHERE status = 'pending') END
 """
+
+
+# The scanner's own connections read with plain index scans, never bitmap ones. Its reads
+# of runs in flight (the probe's lease and queued parts, the back-pressure count, the
+# recovery reads) go through runs_due_idx's `flight` entries, where every run that ended
+# since the last VACUUM leaves a dead entry. A plain index scan marks each dead entry it
+# meets (PostgreSQL's kill_prior_tuple), so the next read steps over it without visiting
+# the table; a bitmap scan does not, and visits every one again on every read. With
+# bitmaps the probe read 3,872 entries a partition for about 34 live runs and took 52 ms,
+# six times a second, at 985 runs/s: a third of a core of PostgreSQL (docs/performance.md,
+# "Issue 18, step 7"). Set as a startup option: no statement of its own.
+SCANNER_SESSION_OPTIONS = "-c enable_bitmapscan=off"
+
+
+def scanner_session(wrapper: Any) -> None:
+    """Give this database wrapper's next connection the scanner's session options
+    (PostgreSQL; nothing elsewhere). The OPTIONS dict is replaced, not changed: a
+    copied wrapper shares it with its original."""
+    if wrapper.vendor != "postgresql":
+        return
+    options = dict(wrapper.settings_dict.get("OPTIONS") or {})
+    have = options.get("options", "")
+    if SCANNER_SESSION_OPTIONS not in have:
+        options["options"] = f"{have} {SCANNER_SESSION_OPTIONS}".strip()
+    wrapper.settings_dict["OPTIONS"] = options
+    wrapper.close()  # connected already: the next statement connects with them
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 decides, the triggers that wake it, and what an idle scanner costs."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,7 +21,7 @@ from runs import claims
 from runs.models import Notice, Run
 from scanners.coordination import LocalLeases
 from scanners.management.commands.scanner import Command
-from scanners.scan import NEXT_WORK_SQL, ScanResult, Work, next_work
+from scanners.scan import NEXT_WORK_SQL, ScanResult, Work, next_work, scanner_session
 from scanners.wakeups import CHANNEL, LONGEST_SLEEP, NOTICE_CHECK_SECONDS, SCAN_GAP, Pacer, listen_params
 from tests.factories import make_job, make_run, utc
 
@@ -209,6 +210,58 @@ def test_each_part_of_the_probe_is_a_read_of_its_own_index_at_a_hundred_thousand
         assert work.lease == mine.filter(status=S.RUNNING).aggregate(t=Min("lease_expires_at"))["t"]
         assert work.queued == mine.filter(status=S.QUEUED).aggregate(t=Min("queued_at"))["t"]
         assert work.resume == T0 + timedelta(days=8) and work.notices == T0 + timedelta(days=9)
+
+
+def _probe_buffers(wrapper: Any, parts: list[int]) -> tuple[int, str]:
+    """Shared buffers the probe touched in runs_open, and its plan (EXPLAIN ANALYZE)."""
+    with wrapper.cursor() as cursor:
+        cursor.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + NEXT_WORK_SQL, [parts, parts, parts, 16, parts, True])
+        plan = cursor.fetchone()[0]
+    plan = plan if isinstance(plan, list) else json.loads(plan)
+    found: list[dict[str, Any]] = []
+
+    def walk(node: dict[str, Any]) -> None:
+        if node.get("Relation Name") == "runs_open":
+            found.append(node)
+        for child in node.get("Plans", []):
+            walk(child)
+
+    walk(plan[0]["Plan"])
+    return sum(n.get("Shared Hit Blocks", 0) + n.get("Shared Read Blocks", 0) for n in found), json.dumps(plan)
+
+
+@on_postgresql
+@pytest.mark.django_db(transaction=True)
+def test_the_scanners_probe_steps_over_the_dead_entries_of_ended_runs_once_it_has_met_them() -> None:
+    """Every run that ended since the last VACUUM leaves a dead `flight` entry in
+    runs_due_idx. The scanner's session reads by plain index scans (scanners.scan.
+    scanner_session), which mark each dead entry they meet, so a second probe steps over
+    them without reading the table. With bitmap scans, which mark nothing, the probe
+    read 3,872 entries a partition for 34 live runs, on every probe (52 ms at 985 runs/s)."""
+    fill(20_000)
+    with connection.cursor() as cursor:  # nine in ten of the runs in flight end: dead entries
+        cursor.execute("UPDATE runs SET status = 'succeeded', finished_at = due_at, kept_for = scheduled_for "
+                       "WHERE status IN ('queued', 'running') AND id % 100 >= 10")
+        cursor.execute("ANALYZE runs")
+    scanner = connection.copy()
+    try:
+        scanner_session(scanner)
+        with scanner.cursor() as cursor:
+            cursor.execute("SHOW enable_bitmapscan")
+            assert cursor.fetchone()[0] == "off"
+        with connection.cursor() as cursor:  # the original wrapper's session is left as it was
+            cursor.execute("SHOW enable_bitmapscan")
+            assert cursor.fetchone()[0] == "on"
+        parts = list(range(16))
+        first, _ = _probe_buffers(scanner, parts)
+        second, plan = _probe_buffers(scanner, parts)
+    finally:
+        scanner.close()
+    assert "Bitmap" not in plan and "Seq Scan" not in plan, plan
+    # 3,600 ended runs had entries among 400 live ones in flight: the first probe visits
+    # the table for each, the second only for the live ones.
+    assert first > 1500, (first, second)
+    assert second < first / 3, (first, second)
 
 
 # ------------------------------------------------------------------ the triggers

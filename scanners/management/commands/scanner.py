@@ -15,7 +15,7 @@ from django.db import connection
 from runs.retention import every as upkeep_every
 from runs.tasks import keep_run_partitions, send_notices
 from scanners.coordination import PartitionLeases, make_leases
-from scanners.scan import ScanResult, next_work, scan_once
+from scanners.scan import ScanResult, next_work, scan_once, scanner_session
 from scanners.wakeups import RETRY_AFTER_ERROR, Listener, Pacer
 
 logger = logging.getLogger("scheduler.scanner")
@@ -30,6 +30,7 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, once: bool, identifier: str | None, **options: Any) -> None:
         self.stopping = threading.Event()
+        scanner_session(connection)  # plain index scans: scanners.scan.SCANNER_SESSION_OPTIONS
         leases = make_leases(identifier)
 
         def stop(*_: Any) -> None:
