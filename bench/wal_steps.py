@@ -1,7 +1,8 @@
 """The WAL of each step of a run's happy path, record by record (ad hoc, issue 18).
 
-Runs the real code in this process against a scratch PostgreSQL database: N every-minute
-jobs, each with a run due now and an HTTP target on loopback; then the scanner's queueing
+Runs the real code in this process against a scratch PostgreSQL database: N jobs, each
+with a run due now and an HTTP target on loopback (yearly jobs, so that no minute
+boundary makes a second run due mid-step: every outcome makes one next run, a year on); then the scanner's queueing
 (`scanners.scan.scan_once`, nothing published), then the worker's batch
 (`runs.services.run_execute_many`: the claim, the calls, the outcomes and the next runs).
 Around each step it reads the WAL back with `pg_walinspect` and prints the records per
@@ -151,7 +152,7 @@ def main() -> None:
     minute = now.replace(second=0, microsecond=0)
     ids = []
     for i in range(args.runs):
-        job = make_job(name=f"wal-{i}", target=target, schedule="* * * * *")
+        job = make_job(name=f"wal-{i}", target=target, schedule="0 0 1 1 *")
         ids.append(make_run(job, minute, due_at=now - timedelta(seconds=1)).pk)
     parts = sorted(set(Run.objects.filter(pk__in=ids).values_list("partition", flat=True)))
     from django.db import connection
