@@ -347,7 +347,7 @@ class Outcome:
 OUTCOMES_SQL = """
 UPDATE runs AS r
    SET status = v.status,
-       kept_for = CASE WHEN v.status IN ('scheduled', 'queued', 'running') THEN {open} ELSE r.scheduled_for END,
+       kept_for = CASE WHEN v.status IN ({open_statuses}) THEN {open} ELSE r.scheduled_for END,
        finished_at = v.finished_at,
        due_at = COALESCE(v.due_at, r.due_at),
        last_error = v.error,
@@ -362,7 +362,7 @@ UPDATE runs AS r
        AS v(id, fence, status, finished_at, due_at, error, on_row, answer, duration_ms)
  WHERE r.id = v.id AND r.fence = v.fence AND r.status = 'running' AND r.kept_for = {open}
 RETURNING r.id, r.fence = v.fence
-""".format(open=OPEN_KEPT_FOR_SQL)
+""".format(open=OPEN_KEPT_FOR_SQL, open_statuses=", ".join(f"'{s}'" for s in Run.OPEN))  # runs.models.kept_for_of
 # The entries go on the row only under the row's own fence (r.fence = v.fence, always
 # true where the fence is checked): an on-row entry says the row's fence, so a write
 # the deliberate bug lets through under an older one is told by rows (its own fence).
