@@ -141,7 +141,7 @@ def probe_plan(job_ids: list[int]) -> None:
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE notices")
         for parts in (list(range(settings.SCHEDULER_PARTITIONS)), [0, 1, 2, 3]):
-            params = [parts, parts, parts, settings.SCHEDULER_PARTITIONS, parts, True]
+            params = [parts, True, parts, True, parts, settings.SCHEDULER_PARTITIONS, parts, True]
             cursor.execute("EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) " + NEXT_WORK_SQL, params)
             print(f"\n-- the probe over partitions {parts}:")
             print("\n".join(row[0] for row in cursor.fetchall()))

@@ -183,6 +183,10 @@ def scan_once(
 # earliest resume time of a paused job (jobs_paused_until_idx, which holds only jobs
 # with a resume time), and for the scanner of partition 0 the earliest pending
 # notice (notices_due_idx). docs/performance.md has their plans at 10^5 rows.
+# The two parts on runs in flight read every one of them, up to SCHEDULER_MAX_QUEUED
+# and more at the highest rate, where the scanner wakes many times a second: they are
+# asked only when wakeups.FlightReads says so (each part in a CASE, whose subquery
+# PostgreSQL runs only when its branch is taken).
 _EARLIEST_PER_PARTITION = """(SELECT min(e.t)
           FROM unnest(%s::integer[]) AS p(part)
          CROSS JOIN LATERAL (
@@ -192,8 +196,8 @@ _EARLIEST_PER_PARTITION = """(SELECT min(e.t)
 NEXT_WORK_SQL = f"""
 SELECT clock_timestamp(),
        {_EARLIEST_PER_PARTITION.format(open=OPEN_KEPT_FOR_SQL, column="due_at", where="r.stage = 'waiting' AND NOT r.held")},
-       {_EARLIEST_PER_PARTITION.format(open=OPEN_KEPT_FOR_SQL, column="lease_expires_at", where="r.stage = 'flight' AND r.status = 'running'")},
-       {_EARLIEST_PER_PARTITION.format(open=OPEN_KEPT_FOR_SQL, column="queued_at", where="r.stage = 'flight' AND r.status = 'queued'")},
+       CASE WHEN %s THEN {_EARLIEST_PER_PARTITION.format(open=OPEN_KEPT_FOR_SQL, column="lease_expires_at", where="r.stage = 'flight' AND r.status = 'running'")} END,
+       CASE WHEN %s THEN {_EARLIEST_PER_PARTITION.format(open=OPEN_KEPT_FOR_SQL, column="queued_at", where="r.stage = 'flight' AND r.status = 'queued'")} END,
        (SELECT j.paused_until FROM jobs j
          WHERE j.paused_until IS NOT NULL AND j.paused AND j.id %% %s = ANY(%s::integer[])
          ORDER BY j.paused_until LIMIT 1),
@@ -202,8 +206,8 @@ SELECT clock_timestamp(),
 # The embedded SQLite file: the same question, plainly (small tables, and no LATERAL).
 NEXT_WORK_SQL_SQLITE = """
 SELECT (SELECT min(due_at) FROM runs WHERE status = 'scheduled' AND NOT held AND partition IN ({parts})),
-       (SELECT min(lease_expires_at) FROM runs WHERE status = 'running' AND partition IN ({parts})),
-       (SELECT min(queued_at) FROM runs WHERE status = 'queued' AND partition IN ({parts})),
+       CASE WHEN %s THEN (SELECT min(lease_expires_at) FROM runs WHERE status = 'running' AND partition IN ({parts})) END,
+       CASE WHEN %s THEN (SELECT min(queued_at) FROM runs WHERE status = 'queued' AND partition IN ({parts})) END,
        (SELECT min(paused_until) FROM jobs WHERE paused_until IS NOT NULL AND paused AND id %% %s IN ({parts})),
        CASE WHEN %s THEN (SELECT min(due_at) FROM notices WHERE status = 'pending') END
 """
@@ -246,25 +250,29 @@ class Work:
     queued: datetime | None = None  # a queued run's queued_at (republished SCHEDULER_REQUEUE_AFTER later)
     resume: datetime | None = None  # a paused job's paused_until
     notices: datetime | None = None  # a pending notice's due_at (asked by partition 0's scanner only)
+    in_flight: bool = True  # whether `lease` and `queued` were read by this probe (next_work's in_flight)
 
 
-def next_work(partitions: list[int] | frozenset[int], *, notices: bool = False) -> Work:
+def next_work(partitions: list[int] | frozenset[int], *, notices: bool = False, in_flight: bool = True) -> Work:
     """One statement: the store's clock and the earliest work in these partitions;
     with `notices`, also the earliest pending notice (the scanner holding partition 0
-    publishes the notice sender)."""
+    publishes the notice sender). Without `in_flight`, the runs in flight are not read
+    (`lease` and `queued` come back None): the scanner reads them at most once a
+    FLIGHT_READ_EVERY and in between goes by what it read last (wakeups.FlightReads)."""
     parts = sorted(partitions)
     n = settings.SCHEDULER_PARTITIONS
     with connection.cursor() as cursor:
         if connection.vendor == "postgresql":
-            cursor.execute(NEXT_WORK_SQL, [parts, parts, parts, n, parts, notices])
+            cursor.execute(NEXT_WORK_SQL, [parts, in_flight, parts, in_flight, parts, n, parts, notices])
             row = cursor.fetchone()
         else:
             marks = ", ".join(["%s"] * len(parts)) or "NULL"
-            cursor.execute(NEXT_WORK_SQL_SQLITE.format(parts=marks), [*parts, *parts, *parts, n, *parts, notices])
+            cursor.execute(NEXT_WORK_SQL_SQLITE.format(parts=marks),
+                           [*parts, in_flight, *parts, in_flight, *parts, n, *parts, notices])
             row = (claims.store_now(), *cursor.fetchone())
     now, due, lease, queued, resume, notice = (claims._as_datetime(v) for v in row)
     assert now is not None
-    return Work(now=now, due=due, lease=lease, queued=queued, resume=resume, notices=notice)
+    return Work(now=now, due=due, lease=lease, queued=queued, resume=resume, notices=notice, in_flight=in_flight)
 
 
 def queue_chunk() -> int:

@@ -19,7 +19,7 @@ import select
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -42,6 +42,9 @@ NOTICE_CHECK_SECONDS = 5.0  # the notice sender is published at most this often
 RETRY_AFTER_ERROR = 1.0  # a failed turn (the store down) is tried again after this, at most the interval
 LISTEN_BACKOFF = (0.5, 30.0)  # the listen connection's reconnects: first wait, longest wait
 LISTEN_STABLE = 30.0  # a listen connection that lived this long resets the backoff
+# The probe reads the runs in flight (the earliest lease end, the oldest queued run) at
+# most this often, and whenever what it read last comes due (FlightReads).
+FLIGHT_READ_EVERY = 1.0
 
 
 @dataclass
@@ -147,6 +150,77 @@ class Pacer:
         if work.queued is not None:
             wakes.append(work.now + timedelta(seconds=self.lease))
         return max(0.0, (min(wakes) - work.now).total_seconds())
+
+
+@dataclass
+class FlightReads:
+    """When the probe reads the runs in flight, and what it read last.
+
+    Those two parts of the probe read every run in flight in the partitions (no
+    index orders them by lease end or queue time: the claim that sets both writes no
+    index entry), thousands at the highest rate, where a scanner probes many times a
+    second. They are read at most every `every` seconds, and at once when the last
+    answer comes due (a lease end, a queued run's republish time) or the partitions
+    change; in between the probe goes by the last answer.
+
+    The last answer stays a lower bound: a lease is only ever set to a claim's or a
+    heartbeat's clock plus the lease length, later than every lease end read before,
+    and a run is queued at the clock, later than every queue time read before. So a
+    scanner never wakes later for an ended lease or a run to republish than when
+    each probe read them. Runs it queues itself are counted at once (`scanned`: the
+    oldest queue time is then no earlier than the scan's clock, and the sleep while runs
+    wait queued is at most a lease, Pacer.sleep); any other new run in flight is seen
+    within `every`, since a scanner that did not read them sleeps no longer than until
+    its next read (`sleep_cap`). The scan decides from its own reads, never from these
+    times (scanners.scan.scan_once). With a lease length that differs between
+    workers, a shorter lease may be seen up to `every` late."""
+
+    requeue_after: float
+    every: float = FLIGHT_READ_EVERY
+    clock: Callable[[], float] = time.monotonic
+    _last: Work | None = field(init=False, default=None)
+    _read_at: float = field(init=False, default=0.0)
+
+    def wanted(self) -> bool:
+        """Whether the next probe reads the runs in flight."""
+        last = self._last
+        if last is None:
+            return True
+        elapsed = self.clock() - self._read_at
+        if elapsed >= self.every:
+            return True
+        now = last.now + timedelta(seconds=elapsed)
+        if last.lease is not None and last.lease <= now:
+            return True
+        return last.queued is not None and last.queued + timedelta(seconds=self.requeue_after) <= now
+
+    def merge(self, work: Work) -> Work:
+        """The probe's answer with the runs in flight: its own if it read them (kept
+        as the last answer), else the last answer's."""
+        if work.in_flight or self._last is None:
+            if work.in_flight:
+                self._last, self._read_at = work, self.clock()
+            return work
+        return replace(work, lease=self._last.lease, queued=self._last.queued)
+
+    def scanned(self, work: Work, result: ScanResult) -> None:
+        """A scan at work.now queued runs (new, recovered or republished): the oldest
+        queue time is no earlier than the last answer's, or than work.now if it had none."""
+        if self._last is None or not (result.queued or result.lease_expired or result.republished):
+            return
+        if self._last.queued is None:
+            self._last = replace(self._last, queued=work.now)
+
+    def sleep_cap(self, work: Work) -> float | None:
+        """Seconds this scanner may sleep at most after a probe that did not read the
+        runs in flight: until its next read is due. None after a probe that read them."""
+        if work.in_flight or self._last is None:
+            return None
+        return max(0.0, self.every - (self.clock() - self._read_at))
+
+    def forget(self) -> None:
+        """The partitions changed, or a scan failed: the next probe reads them."""
+        self._last = None
 
 
 class Listener:

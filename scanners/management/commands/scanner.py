@@ -16,7 +16,7 @@ from runs.retention import every as upkeep_every
 from runs.tasks import keep_run_partitions, send_notices
 from scanners.coordination import PartitionLeases, make_leases
 from scanners.scan import ScanResult, next_work, scan_once, scanner_session
-from scanners.wakeups import RETRY_AFTER_ERROR, Listener, Pacer
+from scanners.wakeups import RETRY_AFTER_ERROR, FlightReads, Listener, Pacer
 
 logger = logging.getLogger("scheduler.scanner")
 
@@ -62,6 +62,7 @@ class Command(BaseCommand):
             lease=settings.SCHEDULER_LEASE_SECONDS,
             batch=settings.SCHEDULER_SCAN_BATCH,
         )
+        self.flight = FlightReads(requeue_after=settings.SCHEDULER_REQUEUE_AFTER)
         self.owned: frozenset[int] = frozenset()
         self.upkeep_at = 0.0  # time.monotonic() of the next history upkeep (partition 0's scanner)
         self.rescan = True  # the first turn, and the one after a failed turn, scans in full
@@ -107,6 +108,7 @@ class Command(BaseCommand):
             self.stdout.write(f"partitions {sorted(owned)} at {time.time():.3f}")
             self.stdout.flush()
             self.pacer.forget()
+            self.flight.forget()
         self.owned = owned
         if self.listener is not None:
             self.listener.partitions = owned
@@ -114,13 +116,14 @@ class Command(BaseCommand):
             return self.pacer.longest
         try:
             self._check_connection()
-            work = next_work(owned, notices=0 in owned)
+            work = self.flight.merge(next_work(owned, notices=0 in owned, in_flight=self.flight.wanted()))
             self.pacer.observe(work)
             self._notices(work)
             if 0 in owned:
                 self._upkeep()
             if not (changed or self.pacer.scan_due(work)):
-                return self.pacer.sleep(work)
+                cap = self.flight.sleep_cap(work)
+                return self.pacer.sleep(work) if cap is None else min(cap, self.pacer.sleep(work))
             # A live scan: later batches by the time it has taken; it ends early if
             # its partitions stop being this scanner's meanwhile.
             result = scan_once(partitions=owned, now=work.now, advance=True,
@@ -128,10 +131,12 @@ class Command(BaseCommand):
         except Exception:  # the database is down or a statement failed: try again next turn
             logger.exception("scan failed")
             self._store_failed()
+            self.flight.forget()
             self.rescan = True
             return min(self.pacer.longest, RETRY_AFTER_ERROR)
         self.rescan = False
         self.pacer.scanned(work, result)
+        self.flight.scanned(work, result)
         self._report(result)
         return 0.0
 
