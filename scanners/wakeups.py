@@ -45,6 +45,9 @@ LISTEN_STABLE = 30.0  # a listen connection that lived this long resets the back
 # The probe reads the runs in flight (the earliest lease end, the oldest queued run) at
 # most this often, and whenever what it read last comes due (FlightReads).
 FLIGHT_READ_EVERY = 1.0
+# A read due this close is taken now: an idle scanner waking by its 1 s interval reads
+# them on each wake, rather than skipping by a hair and probing again at once.
+FLIGHT_READ_SLACK = 0.05
 
 
 @dataclass
@@ -187,7 +190,7 @@ class FlightReads:
         if last is None:
             return True
         elapsed = self.clock() - self._read_at
-        if elapsed >= self.every:
+        if elapsed >= self.every - FLIGHT_READ_SLACK:
             return True
         now = last.now + timedelta(seconds=elapsed)
         if last.lease is not None and last.lease <= now:

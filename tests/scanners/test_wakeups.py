@@ -433,13 +433,13 @@ def run_scanner(body: Callable[[Command, LocalLeases], None], stop: threading.Ev
 
 @on_postgresql
 @pytest.mark.django_db(transaction=True)
-def test_an_idle_scanner_makes_one_statement_per_scan_interval(service: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("interval", [0.25, 1.0])  # 1 s: the default, and FlightReads' own period
+def test_an_idle_scanner_makes_one_statement_per_scan_interval(service: Any, tmp_path: Path, interval: float) -> None:
     owner = service.user
     jobs = [make_job(owner, name=f"idle{i}") for i in range(64)]
     now = claims.store_now()
     Run.objects.bulk_create(Run(job=j, scheduled_for=now + timedelta(minutes=10), due_at=now + timedelta(minutes=10),
                                 partition=j.partition) for j in jobs)
-    interval = 0.25
     stop = threading.Event()
     statements: list[tuple[float, str]] = []
     with override_settings(SCHEDULER_SCAN_INTERVAL=interval, DATA_DIR=tmp_path):
@@ -516,8 +516,8 @@ def test_flight_reads_read_first_then_every_second_or_when_what_they_read_comes_
     flight.merge(Work(now=at(0.5), lease=at(60), queued=at(-10)))
     ticks[0] = 0.9
     assert not flight.wanted()
-    ticks[0] = 1.5
-    assert flight.wanted()  # a second since the last read
+    ticks[0] = 1.46
+    assert flight.wanted()  # (about) a second since the last read
     flight.merge(Work(now=at(1.5), queued=at(-28.2)))
     ticks[0] = 1.6
     assert not flight.wanted()
