@@ -504,6 +504,12 @@ SCHEDULER_MAX_QUEUED = env_int("SCHEDULER_MAX_QUEUED", 5000)
 # A queued run no worker has claimed after this long is published again
 # (its message may have been lost: Redis keeps nothing on disk).
 SCHEDULER_REQUEUE_AFTER = env_int("SCHEDULER_REQUEUE_AFTER", 30)
+# The scanner holding partition 0 runs `VACUUM (SKIP_LOCKED) runs_open` once this many
+# runs have been queued since the last one (or a tenth of the open runs, if that is
+# more), on a connection of its own: the dead entries every run leaves in the open
+# runs' due index are what the scanner's due reads step over (scanners.vacuum). 0
+# leaves the table to autovacuum alone. PostgreSQL only.
+SCHEDULER_OPEN_RUNS_VACUUM_AFTER = env_int("SCHEDULER_OPEN_RUNS_VACUUM_AFTER", 10000)
 # Seconds between a worker's heartbeats (runs.workers); three missed ones show it as gone.
 SCHEDULER_WORKER_HEARTBEAT = env_int("SCHEDULER_WORKER_HEARTBEAT", 5)
 SCHEDULER_ZK_ROOT = env_str("SCHEDULER_ZK_ROOT", "/scheduler")

@@ -16,6 +16,7 @@ from runs.retention import every as upkeep_every
 from runs.tasks import keep_run_partitions, send_notices
 from scanners.coordination import PartitionLeases, make_leases
 from scanners.scan import ScanResult, next_work, scan_once, scanner_session
+from scanners.vacuum import OpenRunsVacuum
 from scanners.wakeups import RETRY_AFTER_ERROR, FlightReads, Listener, Pacer
 
 logger = logging.getLogger("scheduler.scanner")
@@ -63,6 +64,7 @@ class Command(BaseCommand):
             batch=settings.SCHEDULER_SCAN_BATCH,
         )
         self.flight = FlightReads(requeue_after=settings.SCHEDULER_REQUEUE_AFTER)
+        self.vacuum = OpenRunsVacuum.for_scanner(settings.SCHEDULER_OPEN_RUNS_VACUUM_AFTER, leases.identifier)
         self.owned: frozenset[int] = frozenset()
         self.upkeep_at = 0.0  # time.monotonic() of the next history upkeep (partition 0's scanner)
         self.rescan = True  # the first turn, and the one after a failed turn, scans in full
@@ -137,6 +139,7 @@ class Command(BaseCommand):
         self.rescan = False
         self.pacer.scanned(work, result)
         self.flight.scanned(work, result)
+        self.vacuum.counted(len(result.queued) + len(result.republished), owned, settings.SCHEDULER_PARTITIONS)
         self._report(result)
         return 0.0
 
