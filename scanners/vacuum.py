@@ -27,6 +27,8 @@ import threading
 import time
 from typing import Any
 
+from scanners.wakeups import own_connection_params
+
 logger = logging.getLogger("scheduler.scanner")
 
 SHARE_OF_OPEN_RUNS = 0.1  # vacuum once the runs queued since the last pass a tenth of the open runs
@@ -43,7 +45,7 @@ class OpenRunsVacuum:
         self.queued = 0.0  # runs queued since the last VACUUM (an estimate over every partition)
         self.vacuums = 0  # VACUUMs run (skipped ones included)
         self.last_seconds: float | None = None
-        self._params = _params(conn_params, identifier) if conn_params is not None else None
+        self._params = own_connection_params(conn_params, identifier, "vacuum") if conn_params is not None else None
         self._thread: threading.Thread | None = None
 
     @classmethod
@@ -99,9 +101,3 @@ class OpenRunsVacuum:
         self.last_seconds = time.monotonic() - started
         logger.info("vacuumed the open runs in %.2f s (%d open runs)", self.last_seconds, self.open_runs)
 
-
-def _params(conn_params: dict[str, Any], identifier: str) -> dict[str, Any]:
-    params = {k: v for k, v in conn_params.items() if k not in ("cursor_factory", "context", "prepare_threshold")}
-    params["application_name"] = f"scanner {identifier} vacuum"[:63]
-    params.setdefault("connect_timeout", 10)
-    return params

@@ -200,9 +200,10 @@ class FlightReads:
     def merge(self, work: Work) -> Work:
         """The probe's answer with the runs in flight: its own if it read them (kept
         as the last answer), else the last answer's."""
-        if work.in_flight or self._last is None:
-            if work.in_flight:
-                self._last, self._read_at = work, self.clock()
+        if work.in_flight:
+            self._last, self._read_at = work, self.clock()
+            return work
+        if self._last is None:
             return work
         return replace(work, lease=self._last.lease, queued=self._last.queued)
 
@@ -324,11 +325,18 @@ class Listener:
 
 
 def listen_params(conn_params: dict[str, Any], identifier: str) -> dict[str, Any]:
-    """Django's connection parameters for a plain psycopg connection: its own name in
-    pg_stat_activity, a bounded connect, and TCP keepalives (the connection only ever
-    reads: without them a silently lost server would never be noticed)."""
+    """The listen connection's parameters (own_connection_params)."""
+    return own_connection_params(conn_params, identifier, "listen")
+
+
+def own_connection_params(conn_params: dict[str, Any], identifier: str, role: str) -> dict[str, Any]:
+    """Django's connection parameters for a plain psycopg connection of the scanner's
+    own (the listen one, the open runs' VACUUM): its name in pg_stat_activity
+    (`scanner <identifier> <role>`), a bounded connect, and TCP keepalives (the listen
+    connection only ever reads: without them a silently lost server would never be
+    noticed)."""
     params = {k: v for k, v in conn_params.items() if k not in ("cursor_factory", "context", "prepare_threshold")}
-    params["application_name"] = f"scanner {identifier} listen"[:63]
+    params["application_name"] = f"scanner {identifier} {role}"[:63]
     for key, value in (("connect_timeout", 10), ("keepalives", 1), ("keepalives_idle", 30),
                        ("keepalives_interval", 10), ("keepalives_count", 3)):
         params.setdefault(key, value)

@@ -124,8 +124,8 @@ class Command(BaseCommand):
             if 0 in owned:
                 self._upkeep()
             if not (changed or self.pacer.scan_due(work)):
-                cap = self.flight.sleep_cap(work)
-                return self.pacer.sleep(work) if cap is None else min(cap, self.pacer.sleep(work))
+                sleep, cap = self.pacer.sleep(work), self.flight.sleep_cap(work)
+                return sleep if cap is None else min(cap, sleep)
             # A live scan: later batches by the time it has taken; it ends early if
             # its partitions stop being this scanner's meanwhile.
             result = scan_once(partitions=owned, now=work.now, advance=True,
