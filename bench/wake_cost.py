@@ -41,7 +41,7 @@ from django.db import connection, transaction  # noqa: E402
 from bench import load  # noqa: E402
 from runs.claims import store_now  # noqa: E402
 from runs.models import Notice  # noqa: E402
-from scanners.scan import NEXT_WORK_SQL  # noqa: E402
+from scanners.scan import NEXT_WORK_SQL, next_work_params  # noqa: E402
 
 INSERT_TRIGGER, UPDATE_TRIGGER = "runs_wake_scanner_insert", "runs_wake_scanner_update"
 
@@ -141,7 +141,7 @@ def probe_plan(job_ids: list[int]) -> None:
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE notices")
         for parts in (list(range(settings.SCHEDULER_PARTITIONS)), [0, 1, 2, 3]):
-            params = [parts, True, parts, True, parts, settings.SCHEDULER_PARTITIONS, parts, True]
+            params = next_work_params(parts, in_flight=True, notices=True)
             cursor.execute("EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) " + NEXT_WORK_SQL, params)
             print(f"\n-- the probe over partitions {parts}:")
             print("\n".join(row[0] for row in cursor.fetchall()))

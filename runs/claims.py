@@ -16,6 +16,7 @@ from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
 from typing import Any, TypeVar
 
+from django.conf import settings
 from django.db import OperationalError, connection, transaction
 from django.db.models import BooleanField, Case, DateTimeField, ExpressionWrapper, F, Max, Q, QuerySet, Value, When
 from django.db.models.expressions import Expression, RawSQL
@@ -546,6 +547,31 @@ def defer_many(*, due: dict[int, datetime]) -> dict[int, tuple[datetime | None, 
     return found
 
 
+# How far past the store's clock a run in flight can be due: it was queued when due by
+# then plus the look-ahead (scanners.scan: lock_due's horizon), and its due time does not
+# change while it is in flight (a retry, a requeue or a rescheduling makes it waiting
+# again first). runs_due_idx_open holds the waiting runs and those in flight together
+# (migration runs 0017, so that neither the queueing nor the claim writes an index
+# entry): a read of runs in flight names this bound, and reads the runs due by then,
+# not every open run of its partitions. The slack covers the clock read between the
+# scanner's horizon and the statement. A look-ahead lowered since a run was queued
+# delays its recovery by at most the old look-ahead, until it is due by the new one.
+IN_FLIGHT_SLACK = timedelta(seconds=1)
+
+
+def in_flight_due_bound() -> timedelta:
+    """What a read of runs in flight adds to the store's clock: every run in flight is
+    due by then."""
+    return timedelta(seconds=settings.SCHEDULER_LOOKAHEAD) + IN_FLIGHT_SLACK
+
+
+def in_flight() -> Q:
+    """Runs that can be in flight, said so that runs_due_idx_open (partition, due_at,
+    held) serves the read as one range a partition: due by in_flight_due_bound, held or
+    not (a queued run can be held)."""
+    return Q(due_at__lte=StoreClock(in_flight_due_bound()))
+
+
 def _lock_ids(query: "QuerySet[Run]", limit: int) -> list[int]:
     # Rows another scanner is already handling are skipped, not waited for
     # (SQLite has no row locks; its IMMEDIATE transactions serialize instead).
@@ -562,7 +588,7 @@ def release_expired_leases(*, partitions: list[int], now: datetime, limit: int) 
     """
     ran_out = Q(lease_expires_at__lt=StoreClock())
     ids = _lock_ids(
-        Run.objects.filter(ran_out, with_status(S.RUNNING), partition__in=partitions).order_by(
+        Run.objects.filter(ran_out, in_flight(), with_status(S.RUNNING), partition__in=partitions).order_by(
             "lease_expires_at"
         ),
         limit,
@@ -597,7 +623,7 @@ def touch_unclaimed(
         next_copy_at__lt=now
     )
     ids = _lock_ids(
-        Run.objects.filter(with_status(S.QUEUED), partition__in=partitions, queued_at__lt=cut, due_at__lt=cut)
+        Run.objects.filter(in_flight(), with_status(S.QUEUED), partition__in=partitions, queued_at__lt=cut, due_at__lt=cut)
         .alias(next_copy_at=ExpressionWrapper(
             F("queued_at") + (F("queued_at") - F("due_at")), output_field=DateTimeField()
         ))
@@ -620,11 +646,11 @@ def claimed_up_to(*, partitions: list[int], since: datetime) -> datetime | None:
     partitions' messages lately. Finished runs count too: the load's calls take
     milliseconds, and at 135 runs/s in the soak there were often no running runs at
     the moment of a scan, which put the republish back on its plain cut. Two reads:
-    runs_due_idx's runs in flight and runs_finished_idx's since `since`
+    runs_due_idx_open's runs due by in_flight_due_bound and runs_finished_idx's since `since`
     (SCHEDULER_REQUEUE_AFTER's worth of outcomes)."""
     mine = Run.objects.filter(partition__in=partitions)
     found = [
-        mine.filter(with_status(S.RUNNING)).aggregate(latest=Max("queued_at"))["latest"],
+        mine.filter(in_flight(), with_status(S.RUNNING)).aggregate(latest=Max("queued_at"))["latest"],
         mine.filter(finished_at__gte=since).aggregate(latest=Max("queued_at"))["latest"],
     ]
     known = [t for t in found if t is not None]
@@ -674,9 +700,10 @@ def lock_due(*, partitions: list[int], now: datetime, limit: int) -> "QuerySet[R
 
 
 def count_queued(*, partitions: list[int]) -> int:
-    """Runs queued and not yet claimed in these partitions (the runs in flight of
-    runs_due_idx, at most SCHEDULER_MAX_QUEUED and those running)."""
-    return Run.objects.filter(with_status(S.QUEUED), partition__in=partitions).count()
+    """Runs queued and not yet claimed in these partitions (read among the runs due by
+    in_flight_due_bound in runs_due_idx_open: at most SCHEDULER_MAX_QUEUED queued,
+    those running and the waiting runs due by then)."""
+    return Run.objects.filter(in_flight(), with_status(S.QUEUED), partition__in=partitions).count()
 
 
 def mark_queued(*, run_ids: list[int], now: datetime, on_row: bool = False) -> int:

@@ -149,6 +149,16 @@ def make_ahead(now: datetime, ahead: int | None = None) -> list[Span]:
     return made
 
 
+# The history's own indexes, which runs_open has not (migration runs 0017): each names
+# `stage`, which the queueing and the claim change, and an open run's update is HOT only
+# where no index names a column it changes. ATTACH builds the partitioned ones; these
+# are built on each new partition before it.
+HISTORY_INDEXES = [
+    ("runs_status_idx", "(stage, id DESC) WHERE NOT stage = 'succeeded'"),
+    ("runs_dead_unhandled_idx", "(id) WHERE handled_at IS NULL AND stage = 'dead'"),
+]
+
+
 def _lock_not_had(exc: BaseException) -> bool:
     return getattr(getattr(exc, "__cause__", None), "sqlstate", None) in LOCK_NOT_HAD
 
@@ -175,6 +185,8 @@ def make(span: Span) -> None:
                 INSERT INTO {table} ({columns}) SELECT {columns} FROM moved"""
         )
         moved = cursor.rowcount
+        for name, definition in HISTORY_INDEXES:
+            cursor.execute(f"CREATE INDEX {name}{span.name[len('runs'):]} ON {table} {definition}")
         cursor.execute(f"ALTER TABLE runs ATTACH PARTITION {table} FOR VALUES FROM ({start}) TO ({end})")
         cursor.execute(f"ALTER TABLE {table} DROP CONSTRAINT {span.name}_span")
         _name_indexes(cursor, span.name)

@@ -175,11 +175,14 @@ def scan_once(
 #
 # What an idle scanner asks on each wake, in one statement: the store's clock and,
 # in its partitions, the earliest time of each kind of work a scan does. Each part
-# is an index read: the earliest due run per partition (runs_due_idx's waiting runs,
-# read per partition as DUE_IDS_SQL does, stopping at the first), the earliest lease
-# end and the oldest queued run (runs_due_idx's runs in flight: every one of them in
-# the partition, at most SCHEDULER_MAX_QUEUED and those running; no index orders
-# them by either time, since the claim, which sets both, writes no index entry), the
+# is an index read: the earliest due run per partition (runs_due_idx_open's runs, read
+# per partition as DUE_IDS_SQL does, stopping at the first waiting one: the runs in
+# flight of the partition come first, being due first), the earliest lease end and the
+# oldest queued run (runs_due_idx_open's runs due by the look-ahead and a second,
+# claims.in_flight_due_bound: every run in flight of the partition, at most
+# SCHEDULER_MAX_QUEUED and those running, among the waiting runs due by then; no index
+# orders them by either time, since neither the queueing nor the claim, which set
+# both, writes an index entry: migration runs 0017), the
 # earliest resume time of a paused job (jobs_paused_until_idx, which holds only jobs
 # with a resume time), and for the scanner of partition 0 the earliest pending
 # notice (notices_due_idx). docs/performance.md has their plans at 10^5 rows.
@@ -193,11 +196,14 @@ _EARLIEST_PER_PARTITION = """(SELECT min(e.t)
                SELECT r.{column} AS t FROM runs r
                 WHERE r.partition = p.part AND {where} AND r.kept_for = {open}
                 ORDER BY r.{column} LIMIT 1) e)"""
+# A run in flight is due by the store's clock plus claims.in_flight_due_bound(), held
+# or not: runs_due_idx_open's range for it (migration runs 0017).
+_IN_FLIGHT = "r.stage = 'flight' AND r.due_at <= STATEMENT_TIMESTAMP() + %s"
 NEXT_WORK_SQL = f"""
 SELECT clock_timestamp(),
        {_EARLIEST_PER_PARTITION.format(open=OPEN_KEPT_FOR_SQL, column="due_at", where="r.stage = 'waiting' AND NOT r.held")},
-       CASE WHEN %s THEN {_EARLIEST_PER_PARTITION.format(open=OPEN_KEPT_FOR_SQL, column="lease_expires_at", where="r.stage = 'flight' AND r.status = 'running'")} END,
-       CASE WHEN %s THEN {_EARLIEST_PER_PARTITION.format(open=OPEN_KEPT_FOR_SQL, column="queued_at", where="r.stage = 'flight' AND r.status = 'queued'")} END,
+       CASE WHEN %s THEN {_EARLIEST_PER_PARTITION.format(open=OPEN_KEPT_FOR_SQL, column="lease_expires_at", where=_IN_FLIGHT + " AND r.status = 'running'")} END,
+       CASE WHEN %s THEN {_EARLIEST_PER_PARTITION.format(open=OPEN_KEPT_FOR_SQL, column="queued_at", where=_IN_FLIGHT + " AND r.status = 'queued'")} END,
        (SELECT j.paused_until FROM jobs j
          WHERE j.paused_until IS NOT NULL AND j.paused AND j.id %% %s = ANY(%s::integer[])
          ORDER BY j.paused_until LIMIT 1),
@@ -215,14 +221,19 @@ SELECT (SELECT min(due_at) FROM runs WHERE status = 'scheduled' AND NOT held AND
 
 # The scanner's own connections read with plain index scans, never bitmap ones. Its reads
 # of runs in flight (the probe's lease and queued parts, the back-pressure count, the
-# recovery reads) go through runs_due_idx's `flight` entries, where every run that ended
-# since the last VACUUM leaves a dead entry. A plain index scan marks each dead entry it
+# recovery reads) go through runs_due_idx_open's entries due by the look-ahead, where
+# every run that ended since the last VACUUM leaves a dead entry. A plain index scan marks each dead entry it
 # meets (PostgreSQL's kill_prior_tuple), so the next read steps over it without visiting
 # the table; a bitmap scan does not, and visits every one again on every read. With
 # bitmaps the probe read 3,872 entries a partition for about 34 live runs and took 52 ms,
 # six times a second, at 985 runs/s: a third of a core of PostgreSQL (docs/performance.md,
-# "Issue 18, step 7"). Set as a startup option: no statement of its own.
-SCANNER_SESSION_OPTIONS = "-c enable_bitmapscan=off"
+# "Issue 18, step 7"). And never a sequential scan where an index serves: the reads of
+# runs in flight are a range of runs_due_idx_open up to the look-ahead (migration runs
+# 0017), and `due_at` moves with the clock past what the table's statistics last saw,
+# so that a minute after an ANALYZE the planner takes every open run for due and reads
+# the whole table (11 ms for 30,000 open runs, every scan) where the range holds a few
+# dozen. Set as startup options: no statement of its own.
+SCANNER_SESSION_OPTIONS = "-c enable_bitmapscan=off -c enable_seqscan=off"
 
 
 def scanner_session(wrapper: Any) -> None:
@@ -253,6 +264,13 @@ class Work:
     in_flight: bool = True  # whether `lease` and `queued` were read by this probe (next_work's in_flight)
 
 
+def next_work_params(parts: list[int], *, in_flight: bool, notices: bool) -> list[object]:
+    """NEXT_WORK_SQL's parameters, in its order (the second says whether it reads the
+    runs in flight)."""
+    bound = claims.in_flight_due_bound()
+    return [parts, in_flight, parts, bound, in_flight, parts, bound, settings.SCHEDULER_PARTITIONS, parts, notices]
+
+
 def next_work(partitions: list[int] | frozenset[int], *, notices: bool = False, in_flight: bool = True) -> Work:
     """One statement: the store's clock and the earliest work in these partitions;
     with `notices`, also the earliest pending notice (the scanner holding partition 0
@@ -263,7 +281,7 @@ def next_work(partitions: list[int] | frozenset[int], *, notices: bool = False, 
     n = settings.SCHEDULER_PARTITIONS
     with connection.cursor() as cursor:
         if connection.vendor == "postgresql":
-            cursor.execute(NEXT_WORK_SQL, [parts, in_flight, parts, in_flight, parts, n, parts, notices])
+            cursor.execute(NEXT_WORK_SQL, next_work_params(parts, in_flight=in_flight, notices=notices))
             row = cursor.fetchone()
         else:
             marks = ", ".join(["%s"] * len(parts)) or "NULL"

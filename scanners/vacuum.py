@@ -1,8 +1,8 @@
 """The open runs' VACUUM, run by the scanner holding partition 0 (PostgreSQL only).
 
-Every run leaves dead row versions in `runs_open`, and each of them an entry in
-runs_due_idx: its waiting version when it is queued, its version in flight when it
-ends and moves to the history. Until a VACUUM removes them, the scanner's reads of
+Every run leaves dead row versions in `runs_open`, and an entry in runs_due_idx_open
+that is dead once it ends and moves to the history (its queueing and its claim are
+HOT updates, which keep the entry its insert made: migration runs 0017). Until a VACUUM removes them, the scanner's reads of
 the earliest due run (the probe's due part and the due read, both an index read per
 partition from the oldest due time up) step over every entry left since the last
 one: at 1,300 runs/s, a minute after a VACUUM, 12,000 buffers and 5 to 12 ms a read,
