@@ -664,22 +664,38 @@ def claimed_up_to(*, partitions: list[int], since: datetime) -> datetime | None:
 # (docs/performance.md). Unlocked: the outer query re-checks and locks.
 DUE_IDS_SQL = """
 SELECT d.id
-  FROM unnest(%s::integer[]) AS p(part)
+  FROM unnest(%s::integer[], %s::timestamptz[], %s::bigint[]) AS p(part, after_at, after_id)
  CROSS JOIN LATERAL (
        SELECT r.id, r.due_at
          FROM runs r
-        WHERE r.partition = p.part AND r.stage = 'waiting' AND NOT r.held AND r.due_at <= %s
+        WHERE r.partition = p.part AND (r.due_at, r.id) > (p.after_at, p.after_id)
+          AND r.stage = 'waiting' AND NOT r.held AND r.due_at <= %s
           AND r.kept_for = {open}
-        ORDER BY r.due_at
+        ORDER BY r.due_at, r.id
         LIMIT %s) d
- ORDER BY d.due_at
+ ORDER BY d.due_at, d.id
  LIMIT %s
 """.format(open=OPEN_KEPT_FOR_SQL)
 
+# Where a scanner's reads of waiting runs start in each partition: after the last run
+# (due time, id) its scans took there (scanners.scan.DueFloors). runs_due_idx_open holds
+# the waiting runs and those in flight together (migration runs 0017), the ones in
+# flight due first: without it each read walked every run in flight of its partitions,
+# up to SCHEDULER_MAX_QUEUED, on every probe and scan. None: from the start.
+NO_FLOOR = (datetime(1, 1, 1, tzinfo=dt_timezone.utc), 0)
 
-def lock_due(*, partitions: list[int], now: datetime, limit: int) -> "QuerySet[Run]":
+
+def floor_params(partitions: list[int], after: "dict[int, tuple[datetime, int]] | None") -> list[object]:
+    """The (partition, after_at, after_id) arrays of DUE_IDS_SQL and the probe's due part."""
+    floors = [(after or {}).get(p, NO_FLOOR) for p in partitions]
+    return [list(partitions), [f[0] for f in floors], [f[1] for f in floors]]
+
+
+def lock_due(*, partitions: list[int], now: datetime, limit: int,
+             after: "dict[int, tuple[datetime, int]] | None" = None) -> "QuerySet[Run]":
     """The scanner's question: due, still scheduled, not held, in my partitions,
-    oldest first, at most `limit`.
+    oldest first, at most `limit`; in each partition, after `after`'s (due time, id)
+    (PostgreSQL; the embedded SQLite file reads from the start).
 
     Rows are locked so that a second scanner (a frozen one that still believes it
     owns them) skips them.
@@ -689,13 +705,14 @@ def lock_due(*, partitions: list[int], now: datetime, limit: int) -> "QuerySet[R
     if connection.vendor == "postgresql":
         # `= ANY(ARRAY(...))`, not `IN (...)`: the ids come as one array, looked up
         # by primary key, which the planner never turns into a scan of the table.
-        due = due.filter(RawSQL(f'"runs"."id" = ANY(ARRAY({DUE_IDS_SQL}))', (list(partitions), now, limit, limit),
+        due = due.filter(RawSQL(f'"runs"."id" = ANY(ARRAY({DUE_IDS_SQL}))',
+                                (*floor_params(list(partitions), after), now, limit, limit),
                                 output_field=BooleanField()))
     else:  # the embedded SQLite file: small, and no LATERAL
         due = due.filter(partition__in=partitions)
     # `locked_at`: the store's clock of this statement, which a live scan stamps its
     # batch no earlier than (scanners.scan.scan_once).
-    return due.order_by("due_at").select_for_update(skip_locked=True, of=("self",)).annotate(
+    return due.order_by("due_at", "id").select_for_update(skip_locked=True, of=("self",)).annotate(
         locked_at=StoreClock())[:limit]
 
 

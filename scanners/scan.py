@@ -69,6 +69,7 @@ def scan_once(
     advance: bool = False,
     keep_going: Callable[[], bool] | None = None,
     work: "Work | None" = None,
+    floors: "dict[int, tuple[datetime, int]] | None" = None,
 ) -> ScanResult:
     """Scan the given partitions once; publish what became queued, batch by batch,
     each after its transaction commits.
@@ -88,7 +89,11 @@ def scan_once(
     republish before the oldest queued run has waited SCHEDULER_REQUEUE_AFTER. A
     steady stream of due runs has a scanner scanning every few tens of milliseconds,
     and those reads were half of each scan's statements (the soak at 155 runs/s,
-    2026-12-02). Work that comes due in between is found by the next scan."""
+    2026-12-02). Work that comes due in between is found by the next scan.
+    `floors` (the scanner's DueFloors, kept across its scans): each partition's due
+    read starts after the last run (due time, id) a scan took there, and each batch
+    moves it on; the scanner drops them at each read of the runs in flight. `work`'s
+    `queued_count`, when it has one, stands for the back-pressure count."""
     now = now or claims.store_now()  # due and late by the store's clock, not this machine's
     started = monotonic()
 
@@ -114,7 +119,10 @@ def scan_once(
     if publish and result.lease_expired:
         publish_runs(result.lease_expired, now=now)
     # Back-pressure: runs wait in the store, not in the broker (SCHEDULER_MAX_QUEUED).
-    waiting = claims.count_queued(partitions=parts)
+    if work is not None and work.queued_count is not None:
+        waiting = work.queued_count + len(result.lease_expired)
+    else:
+        waiting = claims.count_queued(partitions=parts)
     room = settings.SCHEDULER_MAX_QUEUED - waiting
     chunk = queue_chunk()
     left = room if room >= chunk else 0
@@ -140,7 +148,8 @@ def scan_once(
         try:
             with transaction.atomic():
                 due = list(
-                    claims.lock_due(partitions=parts, now=horizon, limit=limit).select_related("job").only(*DUE_FIELDS)
+                    claims.lock_due(partitions=parts, now=horizon, limit=limit, after=floors)
+                    .select_related("job").only(*DUE_FIELDS)
                 )
                 if advance and due:
                     # Stamped no earlier than the statement that locked the rows: `at`
@@ -152,6 +161,9 @@ def scan_once(
         except _LeaseLost:
             return result  # the batch's writes undone: the partitions' new scanner decides
         result.add(mine)
+        if floors is not None:
+            for run in due:  # queued, misfired or set aside: none of them waits any more
+                floors[run.partition] = max(floors.get(run.partition, claims.NO_FLOOR), (run.due_at, run.pk))
         if publish and queued:
             publish_runs([run.pk for run in queued], hosts={run.pk: _host(run.job) for run in queued},
                          due={} if behind else {run.pk: run.due_at for run in queued}, now=at)
@@ -199,15 +211,28 @@ _EARLIEST_PER_PARTITION = """(SELECT min(e.t)
 # A run in flight is due by the store's clock plus claims.in_flight_due_bound(), held
 # or not: runs_due_idx_open's range for it (migration runs 0017).
 _IN_FLIGHT = "r.stage = 'flight' AND r.due_at <= STATEMENT_TIMESTAMP() + %s"
+# The due part starts each partition after the last run the scanner's scans took there
+# (DueFloors; claims.DUE_IDS_SQL reads the same way): the runs in flight, due first in
+# runs_due_idx_open, are behind it.
+_EARLIEST_DUE = """(SELECT min(e.t)
+          FROM unnest(%s::integer[], %s::timestamptz[], %s::bigint[]) AS p(part, after_at, after_id)
+         CROSS JOIN LATERAL (
+               SELECT r.due_at AS t FROM runs r
+                WHERE r.partition = p.part AND (r.due_at, r.id) > (p.after_at, p.after_id)
+                  AND r.stage = 'waiting' AND NOT r.held AND r.kept_for = {open}
+                ORDER BY r.due_at, r.id LIMIT 1) e)""".format(open=OPEN_KEPT_FOR_SQL)
 NEXT_WORK_SQL = f"""
 SELECT clock_timestamp(),
-       {_EARLIEST_PER_PARTITION.format(open=OPEN_KEPT_FOR_SQL, column="due_at", where="r.stage = 'waiting' AND NOT r.held")},
+       {_EARLIEST_DUE},
        CASE WHEN %s THEN {_EARLIEST_PER_PARTITION.format(open=OPEN_KEPT_FOR_SQL, column="lease_expires_at", where=_IN_FLIGHT + " AND r.status = 'running'")} END,
        CASE WHEN %s THEN {_EARLIEST_PER_PARTITION.format(open=OPEN_KEPT_FOR_SQL, column="queued_at", where=_IN_FLIGHT + " AND r.status = 'queued'")} END,
        (SELECT j.paused_until FROM jobs j
          WHERE j.paused_until IS NOT NULL AND j.paused AND j.id %% %s = ANY(%s::integer[])
          ORDER BY j.paused_until LIMIT 1),
-       CASE WHEN %s THEN (SELECT n.due_at FROM notices n WHERE n.status = 'pending' ORDER BY n.due_at LIMIT 1) END
+       CASE WHEN %s THEN (SELECT n.due_at FROM notices n WHERE n.status = 'pending' ORDER BY n.due_at LIMIT 1) END,
+       CASE WHEN %s THEN (SELECT count(*) FROM runs r
+                           WHERE r.partition = ANY(%s::integer[]) AND {_IN_FLIGHT} AND r.status = 'queued'
+                             AND r.kept_for = {OPEN_KEPT_FOR_SQL}) END
 """
 # The embedded SQLite file: the same question, plainly (small tables, and no LATERAL).
 NEXT_WORK_SQL_SQLITE = """
@@ -215,7 +240,8 @@ SELECT (SELECT min(due_at) FROM runs WHERE status = 'scheduled' AND NOT held AND
        CASE WHEN %s THEN (SELECT min(lease_expires_at) FROM runs WHERE status = 'running' AND partition IN ({parts})) END,
        CASE WHEN %s THEN (SELECT min(queued_at) FROM runs WHERE status = 'queued' AND partition IN ({parts})) END,
        (SELECT min(paused_until) FROM jobs WHERE paused_until IS NOT NULL AND paused AND id %% %s IN ({parts})),
-       CASE WHEN %s THEN (SELECT min(due_at) FROM notices WHERE status = 'pending') END
+       CASE WHEN %s THEN (SELECT min(due_at) FROM notices WHERE status = 'pending') END,
+       CASE WHEN %s THEN (SELECT count(*) FROM runs WHERE status = 'queued' AND partition IN ({parts})) END
 """
 
 
@@ -262,16 +288,22 @@ class Work:
     resume: datetime | None = None  # a paused job's paused_until
     notices: datetime | None = None  # a pending notice's due_at (asked by partition 0's scanner only)
     in_flight: bool = True  # whether `lease` and `queued` were read by this probe (next_work's in_flight)
+    # Runs queued, not yet claimed: read with the runs in flight; in between, the last
+    # count plus the runs queued since (wakeups.FlightReads), never less than there are.
+    queued_count: int | None = None
 
 
-def next_work_params(parts: list[int], *, in_flight: bool, notices: bool) -> list[object]:
-    """NEXT_WORK_SQL's parameters, in its order (the second says whether it reads the
+def next_work_params(parts: list[int], *, in_flight: bool, notices: bool,
+                     floors: "dict[int, tuple[datetime, int]] | None" = None) -> list[object]:
+    """NEXT_WORK_SQL's parameters, in its order (the fourth says whether it reads the
     runs in flight)."""
     bound = claims.in_flight_due_bound()
-    return [parts, in_flight, parts, bound, in_flight, parts, bound, settings.SCHEDULER_PARTITIONS, parts, notices]
+    return [*claims.floor_params(parts, floors), in_flight, parts, bound, in_flight, parts, bound,
+            settings.SCHEDULER_PARTITIONS, parts, notices, in_flight, parts, bound]
 
 
-def next_work(partitions: list[int] | frozenset[int], *, notices: bool = False, in_flight: bool = True) -> Work:
+def next_work(partitions: list[int] | frozenset[int], *, notices: bool = False, in_flight: bool = True,
+              floors: "dict[int, tuple[datetime, int]] | None" = None) -> Work:
     """One statement: the store's clock and the earliest work in these partitions;
     with `notices`, also the earliest pending notice (the scanner holding partition 0
     publishes the notice sender). Without `in_flight`, the runs in flight are not read
@@ -281,16 +313,18 @@ def next_work(partitions: list[int] | frozenset[int], *, notices: bool = False, 
     n = settings.SCHEDULER_PARTITIONS
     with connection.cursor() as cursor:
         if connection.vendor == "postgresql":
-            cursor.execute(NEXT_WORK_SQL, next_work_params(parts, in_flight=in_flight, notices=notices))
+            cursor.execute(NEXT_WORK_SQL, next_work_params(parts, in_flight=in_flight, notices=notices, floors=floors))
             row = cursor.fetchone()
         else:
             marks = ", ".join(["%s"] * len(parts)) or "NULL"
             cursor.execute(NEXT_WORK_SQL_SQLITE.format(parts=marks),
-                           [*parts, in_flight, *parts, in_flight, *parts, n, *parts, notices])
+                           [*parts, in_flight, *parts, in_flight, *parts, n, *parts, notices, in_flight, *parts])
             row = (claims.store_now(), *cursor.fetchone())
-    now, due, lease, queued, resume, notice = (claims._as_datetime(v) for v in row)
+    now, due, lease, queued, resume, notice = (claims._as_datetime(v) for v in row[:6])
     assert now is not None
-    return Work(now=now, due=due, lease=lease, queued=queued, resume=resume, notices=notice, in_flight=in_flight)
+    count = None if row[6] is None else int(row[6])
+    return Work(now=now, due=due, lease=lease, queued=queued, resume=resume, notices=notice, in_flight=in_flight,
+                queued_count=count)
 
 
 def queue_chunk() -> int:

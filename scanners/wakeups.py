@@ -183,6 +183,7 @@ class FlightReads:
     clock: Callable[[], float] = time.monotonic
     _last: Work | None = field(init=False, default=None)
     _read_at: float = field(init=False, default=0.0)
+    _queued_since: int = field(init=False, default=0)  # runs this scanner queued since the last read
 
     def wanted(self) -> bool:
         """Whether the next probe reads the runs in flight."""
@@ -201,15 +202,20 @@ class FlightReads:
         """The probe's answer with the runs in flight: its own if it read them (kept
         as the last answer), else the last answer's."""
         if work.in_flight:
-            self._last, self._read_at = work, self.clock()
+            self._last, self._read_at, self._queued_since = work, self.clock(), 0
             return work
         if self._last is None:
             return work
-        return replace(work, lease=self._last.lease, queued=self._last.queued)
+        # The queued count: the last one read, plus what this scanner queued since (the
+        # workers' claims since are not seen: never fewer than there are, so the
+        # back-pressure never lets more than SCHEDULER_MAX_QUEUED wait).
+        count = None if self._last.queued_count is None else self._last.queued_count + self._queued_since
+        return replace(work, lease=self._last.lease, queued=self._last.queued, queued_count=count)
 
     def scanned(self, work: Work, result: ScanResult) -> None:
         """A scan at work.now queued runs (new, recovered or republished): the oldest
         queue time is no earlier than the last answer's, or than work.now if it had none."""
+        self._queued_since += len(result.queued) + len(result.lease_expired)
         if self._last is None or not (result.queued or result.lease_expired or result.republished):
             return
         if self._last.queued is None:

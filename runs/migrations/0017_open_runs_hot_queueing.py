@@ -13,8 +13,10 @@ Each partition now has only the indexes its rows need:
 
 - `runs_open` (every open run): the primary key, `runs_one_run_per_time` and
   `runs_finished_idx` (partitioned, as before: none of their columns changes while a
-  run is open); `runs_due_idx_open` on (partition, held, due_at), every open run, its
-  waiting runs and those in flight together; `runs_one_open_run_per_job_open`, unique
+  run is open); `runs_due_idx_open` on (partition, due_at, id, held), every open run,
+  its waiting runs and those in flight together (`id`: the scanner's reads start after
+  the last run it queued, runs.claims.DUE_IDS_SQL, and the runs of a spike share one
+  due time); `runs_one_open_run_per_job_open`, unique
   on (job, kept_for) where neither detached nor a backfill (every row of the partition
   is open, so the predicate needs no stage: it is the same key as before).
 - each partition of the history (`runs_history`, `runs_p*`): the three partitioned
@@ -52,7 +54,7 @@ FORWARD = [
     "DROP INDEX runs_one_open_run_per_job",
     "DROP INDEX runs_status_idx",
     "DROP INDEX runs_dead_unhandled_idx",
-    "CREATE INDEX runs_due_idx_open ON runs_open (partition, due_at, held)",
+    "CREATE INDEX runs_due_idx_open ON runs_open (partition, due_at, id, held)",
     """CREATE UNIQUE INDEX runs_one_open_run_per_job_open ON runs_open (job_id, kept_for)
        WHERE NOT detached AND NOT is_backfill""",
 ]

@@ -134,3 +134,58 @@ def test_a_new_history_partition_gets_the_historys_own_indexes() -> None:
         assert {"runs_status_idx_history", "runs_dead_unhandled_idx_history"} <= set(history)
     finally:
         drop_time_partitions()
+
+
+def test_a_scan_with_floors_starts_each_partition_after_the_runs_it_took_and_a_full_read_finds_the_rest() -> None:
+    """scan_once's `floors` (the scanner's, dropped at each read of the runs in flight,
+    at most a second apart): each batch moves its partition's floor past the runs it
+    took, so the next scan does not walk them again now that they are in flight; a run
+    that turns waiting behind the floor is found by the next scan from the start."""
+    from scanners.scan import scan_once
+
+    now = timezone.now()
+    job = make_job(name="first")
+    parts = list(range(16))
+    first = make_run(job, now - timedelta(seconds=5))
+    floors: dict[int, tuple[Any, int]] = {}
+    assert scan_once(partitions=parts, now=now, publish=False, floors=floors).queued == [first.pk]
+    assert floors == {first.partition: (first.due_at, first.pk)}
+    # Due before the floor, in the same partition: not read while the floor stands.
+    behind = make_run(make_job(name="behind"), now - timedelta(seconds=10), partition=first.partition)
+    assert scan_once(partitions=parts, now=now, publish=False, floors=floors).queued == []
+    assert scan_once(partitions=parts, now=now, publish=False, floors={}).queued == [behind.pk]
+
+
+def test_a_spikes_runs_at_one_due_time_are_taken_batch_after_batch_past_the_floor() -> None:
+    """Runs of one due time: the floor is (due time, id), so the second batch starts
+    after the first one's last run, not after every run of that time."""
+    from scanners.scan import scan_once
+
+    now = timezone.now()
+    due = now - timedelta(seconds=1)
+    runs = [make_run(make_job(name=f"spike {i}"), due, partition=3) for i in range(6)]
+    floors: dict[int, tuple[Any, int]] = {}
+    with override_settings(SCHEDULER_SCAN_BATCH=4):
+        taken = scan_once(partitions=[3], now=now, publish=False, floors=floors).queued
+    assert sorted(taken) == sorted(r.pk for r in runs)
+    assert floors == {3: (due, max(r.pk for r in runs))}
+
+
+def test_the_back_pressure_goes_by_the_probes_queued_count_plus_the_runs_queued_since() -> None:
+    """The count of queued runs is read with the runs in flight (at most a second apart);
+    in between FlightReads adds the runs this scanner queued, so the count is never less
+    than there are and a full queue is not filled past SCHEDULER_MAX_QUEUED."""
+    from scanners.scan import ScanResult, Work, scan_once
+    from scanners.wakeups import FlightReads
+
+    now = timezone.now()
+    run = make_run(make_job(), now - timedelta(seconds=1))
+    reads = FlightReads(requeue_after=30, clock=lambda: 0.0)
+    read = reads.merge(Work(now=now, in_flight=True, queued_count=7))
+    reads.scanned(read, ScanResult(queued=[1, 2, 3]))
+    assert reads.merge(Work(now=now, in_flight=False)).queued_count == 10
+    with override_settings(SCHEDULER_MAX_QUEUED=10):
+        full = Work(now=now, due=run.due_at, in_flight=False, queued_count=10)
+        assert scan_once(partitions=list(range(16)), now=now, publish=False, work=full).queued == []
+        room = Work(now=now, due=run.due_at, in_flight=False, queued_count=0)
+        assert scan_once(partitions=list(range(16)), now=now, publish=False, work=room).queued == [run.pk]

@@ -237,8 +237,18 @@ def test_a_probe_not_asked_for_the_runs_in_flight_does_not_read_them() -> None:
     # Since migration runs 0017 the due part steps over the runs in flight too (they are
     # due first in runs_due_idx_open): what is not asked is the two parts that read
     # every one of them again, each sorted by its time.
-    assert _runs_open_reads_run(asked_plan) == 3 and _runs_open_reads_run(plan) == 1, plan
+    # (Four with them: the queued count for the back-pressure is read with them too.)
+    assert _runs_open_reads_run(asked_plan) == 4 and _runs_open_reads_run(plan) == 1, plan
     assert skipped * 2 < asked, plan
+    # And the due part starts after the runs the scanner took (its floors): past the
+    # runs in flight, which it no longer visits one by one.
+    floors: dict[int, tuple[Any, int]] = {}
+    for run in Run.objects.filter(status__in=(S.QUEUED, S.RUNNING)).only("partition", "due_at"):
+        floors[run.partition] = max(floors.get(run.partition, (run.due_at, 0)), (run.due_at, run.pk))
+    past, plan = _probe_buffers(connection, parts, in_flight=False, floors=floors)
+    print(f"runs_open buffers: {past} with the floors past the runs in flight")
+    assert past * 10 < skipped, plan
+    assert next_work(parts, in_flight=False, floors=floors).due == next_work(parts, in_flight=False).due
     work = next_work(parts, notices=True, in_flight=False)
     assert (work.lease, work.queued, work.in_flight) == (None, None, False)
     assert work.due is not None and work.resume is not None and work.notices is not None
@@ -260,11 +270,12 @@ def _runs_open_reads_run(plan: str) -> int:
     return len(found)
 
 
-def _probe_buffers(wrapper: Any, parts: list[int], in_flight: bool = True) -> tuple[int, str]:
+def _probe_buffers(wrapper: Any, parts: list[int], in_flight: bool = True,
+                   floors: dict[int, tuple[Any, int]] | None = None) -> tuple[int, str]:
     """Shared buffers the probe touched in runs_open, and its plan (EXPLAIN ANALYZE)."""
     with wrapper.cursor() as cursor:
         cursor.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + NEXT_WORK_SQL,
-                       next_work_params(parts, in_flight=in_flight, notices=True))
+                       next_work_params(parts, in_flight=in_flight, notices=True, floors=floors))
         plan = cursor.fetchone()[0]
     plan = plan if isinstance(plan, list) else json.loads(plan)
     found: list[dict[str, Any]] = []
@@ -519,8 +530,8 @@ def test_a_scanner_woken_often_reads_its_runs_in_flight_at_most_once_a_second(se
     assert not thread.is_alive()
     elapsed = time.monotonic() - start
     probes = [given for (_, sql), given in window if sql == NEXT_WORK_SQL]
-    # The probe's second parameter is whether it reads the runs in flight.
-    reads = [given for given in probes if given[1] is not False]
+    # The probe's fourth parameter is whether it reads the runs in flight (scan.next_work_params).
+    reads = [given for given in probes if given[3] is not False]
     print(f"{len(probes)} probes in {elapsed:.2f} s, {len(reads)} of them read the runs in flight")
     assert len(probes) >= elapsed / interval / 2
     assert 1 <= len(reads) <= elapsed / FLIGHT_READ_EVERY + 2

@@ -64,6 +64,9 @@ class Command(BaseCommand):
             batch=settings.SCHEDULER_SCAN_BATCH,
         )
         self.flight = FlightReads(requeue_after=settings.SCHEDULER_REQUEUE_AFTER)
+        # Where each partition's reads of waiting runs start (scanners.scan.scan_once's
+        # `floors`): after the last run a scan took there, until the next full read.
+        self.floors: dict[int, tuple[Any, int]] = {}
         self.vacuum = OpenRunsVacuum.for_scanner(settings.SCHEDULER_OPEN_RUNS_VACUUM_AFTER, leases.identifier)
         self.owned: frozenset[int] = frozenset()
         self.upkeep_at = 0.0  # time.monotonic() of the next history upkeep (partition 0's scanner)
@@ -111,6 +114,7 @@ class Command(BaseCommand):
             self.stdout.flush()
             self.pacer.forget()
             self.flight.forget()
+            self.floors = {}
         self.owned = owned
         if self.listener is not None:
             self.listener.partitions = owned
@@ -118,7 +122,13 @@ class Command(BaseCommand):
             return self.pacer.longest
         try:
             self._check_connection()
-            work = self.flight.merge(next_work(owned, notices=0 in owned, in_flight=self.flight.wanted()))
+            full = self.flight.wanted()
+            if full:
+                # Each read of the runs in flight reads the waiting runs from the start
+                # too: a run that turned waiting behind a floor (a deferral, a hold
+                # released, a run due now) waits at most until then.
+                self.floors = {}
+            work = self.flight.merge(next_work(owned, notices=0 in owned, in_flight=full, floors=self.floors))
             self.pacer.observe(work)
             self._notices(work)
             if 0 in owned:
@@ -129,11 +139,12 @@ class Command(BaseCommand):
             # A live scan: later batches by the time it has taken; it ends early if
             # its partitions stop being this scanner's meanwhile.
             result = scan_once(partitions=owned, now=work.now, advance=True,
-                               keep_going=lambda: leases.poll() == owned, work=work)
+                               keep_going=lambda: leases.poll() == owned, work=work, floors=self.floors)
         except Exception:  # the database is down or a statement failed: try again next turn
             logger.exception("scan failed")
             self._store_failed()
             self.flight.forget()
+            self.floors = {}
             self.rescan = True
             return min(self.pacer.longest, RETRY_AFTER_ERROR)
         self.rescan = False
