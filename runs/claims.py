@@ -565,11 +565,39 @@ def in_flight_due_bound() -> timedelta:
     return timedelta(seconds=settings.SCHEDULER_LOOKAHEAD) + IN_FLIGHT_SLACK
 
 
-def in_flight() -> Q:
+def in_flight(up_to: datetime | None = None) -> Q:
     """Runs that can be in flight, said so that runs_due_idx_open (partition, due_at,
     held) serves the read as one range a partition: due by in_flight_due_bound, held or
-    not (a queued run can be held)."""
-    return Q(due_at__lte=StoreClock(in_flight_due_bound()))
+    not (a queued run can be held); with `up_to`, due by then too (the highest of the
+    scanner's ceilings over the partitions read, scanners.wakeups.Ceilings)."""
+    bound = Q(due_at__lte=StoreClock(in_flight_due_bound()))
+    return bound if up_to is None else bound & Q(due_at__lte=up_to)
+
+
+# The ceilings of a scanner's reads of runs in flight (scanners.wakeups.Ceilings): in
+# each partition, the highest (due time, id) a run in flight there can have, as its
+# scanner knows it. runs_due_idx_open orders waiting runs and runs in flight together,
+# by due time; in a backlog the waiting runs due are all above the last run the scanner
+# took, so a read bounded by it reads the runs in flight and not the backlog (which a
+# read bounded by the clock alone read whole, three times a second: docs/performance.md,
+# "Issue 18, step 8"). NO_CEILING: not known, read up to in_flight_due_bound;
+# NONE_IN_FLIGHT: the partition has no run in flight.
+NO_CEILING = (datetime.max.replace(tzinfo=dt_timezone.utc), 2**63 - 1)
+NONE_IN_FLIGHT = (datetime(1, 1, 1, tzinfo=dt_timezone.utc), 0)
+
+
+def ceiling_params(partitions: list[int], ceilings: "dict[int, tuple[datetime, int]] | None") -> list[object]:
+    """The (partition, up_to_at, up_to_id) arrays of the probe's reads of runs in flight."""
+    found = [(ceilings or {}).get(p, NO_CEILING) for p in partitions]
+    return [list(partitions), [c[0] for c in found], [c[1] for c in found]]
+
+
+def ceiling_up_to(partitions: list[int], ceilings: "dict[int, tuple[datetime, int]] | None") -> datetime | None:
+    """One due time every run in flight of these partitions is due by, as far as the
+    ceilings know (their highest); None when one of them is not known."""
+    if not ceilings or any(p not in ceilings for p in partitions):
+        return None
+    return max(ceilings[p][0] for p in partitions)
 
 
 def _lock_ids(query: "QuerySet[Run]", limit: int) -> list[int]:
@@ -579,7 +607,8 @@ def _lock_ids(query: "QuerySet[Run]", limit: int) -> list[int]:
     return list(query.select_for_update(skip_locked=True, of=("self",)).values_list("pk", flat=True)[:limit])
 
 
-def release_expired_leases(*, partitions: list[int], now: datetime, limit: int) -> list[int]:
+def release_expired_leases(*, partitions: list[int], now: datetime, limit: int,
+                           up_to: datetime | None = None) -> list[int]:
     """Running runs whose lease ran out (dead or frozen worker) go back to queued.
     "Ran out" by the store's clock, in the statement; `now` is only written down.
 
@@ -588,7 +617,7 @@ def release_expired_leases(*, partitions: list[int], now: datetime, limit: int) 
     """
     ran_out = Q(lease_expires_at__lt=StoreClock())
     ids = _lock_ids(
-        Run.objects.filter(ran_out, in_flight(), with_status(S.RUNNING), partition__in=partitions).order_by(
+        Run.objects.filter(ran_out, in_flight(up_to), with_status(S.RUNNING), partition__in=partitions).order_by(
             "lease_expires_at"
         ),
         limit,
@@ -605,7 +634,8 @@ REPUBLISH_BACKOFF_CAP = 8
 
 
 def touch_unclaimed(
-    *, partitions: list[int], now: datetime, older_than: timedelta, limit: int, before: datetime | None = None
+    *, partitions: list[int], now: datetime, older_than: timedelta, limit: int, before: datetime | None = None,
+    up_to: datetime | None = None,
 ) -> list[int]:
     """Queued runs no worker claimed in time: their message may be lost, publish again.
     "In time" counts from the later of when the run was queued and when it is due: a
@@ -623,7 +653,7 @@ def touch_unclaimed(
         next_copy_at__lt=now
     )
     ids = _lock_ids(
-        Run.objects.filter(in_flight(), with_status(S.QUEUED), partition__in=partitions, queued_at__lt=cut, due_at__lt=cut)
+        Run.objects.filter(in_flight(up_to), with_status(S.QUEUED), partition__in=partitions, queued_at__lt=cut, due_at__lt=cut)
         .alias(next_copy_at=ExpressionWrapper(
             F("queued_at") + (F("queued_at") - F("due_at")), output_field=DateTimeField()
         ))
@@ -636,7 +666,7 @@ def touch_unclaimed(
     return ids
 
 
-def claimed_up_to(*, partitions: list[int], since: datetime) -> datetime | None:
+def claimed_up_to(*, partitions: list[int], since: datetime, up_to: datetime | None = None) -> datetime | None:
     """How far through what was published the workers have got: the latest
     `queued_at` among these partitions' runs running now or finished since `since`,
     which the claim set to the publish time of the message that started each
@@ -650,7 +680,7 @@ def claimed_up_to(*, partitions: list[int], since: datetime) -> datetime | None:
     (SCHEDULER_REQUEUE_AFTER's worth of outcomes)."""
     mine = Run.objects.filter(partition__in=partitions)
     found = [
-        mine.filter(in_flight(), with_status(S.RUNNING)).aggregate(latest=Max("queued_at"))["latest"],
+        mine.filter(in_flight(up_to), with_status(S.RUNNING)).aggregate(latest=Max("queued_at"))["latest"],
         mine.filter(finished_at__gte=since).aggregate(latest=Max("queued_at"))["latest"],
     ]
     known = [t for t in found if t is not None]
@@ -716,11 +746,11 @@ def lock_due(*, partitions: list[int], now: datetime, limit: int,
         locked_at=StoreClock())[:limit]
 
 
-def count_queued(*, partitions: list[int]) -> int:
+def count_queued(*, partitions: list[int], up_to: datetime | None = None) -> int:
     """Runs queued and not yet claimed in these partitions (read among the runs due by
     in_flight_due_bound in runs_due_idx_open: at most SCHEDULER_MAX_QUEUED queued,
     those running and the waiting runs due by then)."""
-    return Run.objects.filter(in_flight(), with_status(S.QUEUED), partition__in=partitions).count()
+    return Run.objects.filter(in_flight(up_to), with_status(S.QUEUED), partition__in=partitions).count()
 
 
 def mark_queued(*, run_ids: list[int], now: datetime, on_row: bool = False) -> int:

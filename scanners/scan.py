@@ -7,6 +7,7 @@ publishes again. A run published twice is claimed once (the fence).
 """
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -70,6 +71,7 @@ def scan_once(
     keep_going: Callable[[], bool] | None = None,
     work: "Work | None" = None,
     floors: "dict[int, tuple[datetime, int]] | None" = None,
+    ceilings: "dict[int, tuple[datetime, int]] | None" = None,
 ) -> ScanResult:
     """Scan the given partitions once; publish what became queued, batch by batch,
     each after its transaction commits.
@@ -93,7 +95,11 @@ def scan_once(
     `floors` (the scanner's DueFloors, kept across its scans): each partition's due
     read starts after the last run (due time, id) a scan took there, and each batch
     moves it on; the scanner drops them at each read of the runs in flight. `work`'s
-    `queued_count`, when it has one, stands for the back-pressure count."""
+    `queued_count`, when it has one, stands for the back-pressure count.
+    `ceilings` (the scanner's wakeups.Ceilings.known, kept across its scans): the
+    highest (due time, id) a run in flight of each partition has; each batch raises it
+    over the runs it took, before they are queued, and the reads of runs in flight
+    (lease recovery, republish) stop at the highest of them."""
     now = now or claims.store_now()  # due and late by the store's clock, not this machine's
     started = monotonic()
 
@@ -113,16 +119,17 @@ def scan_once(
     # First, so that a resumed job's released run is due in this very scan.
     if is_due(work and work.resume):
         _resume_due_jobs(parts, now, batch, result)
+    up_to = claims.ceiling_up_to(parts, ceilings)
     if is_due(work and work.lease):
         with transaction.atomic():
-            _recover(parts, now, batch, result)
+            _recover(parts, now, batch, result, up_to)
     if publish and result.lease_expired:
         publish_runs(result.lease_expired, now=now)
     # Back-pressure: runs wait in the store, not in the broker (SCHEDULER_MAX_QUEUED).
     if work is not None and work.queued_count is not None:
         waiting = work.queued_count + len(result.lease_expired)
     else:
-        waiting = claims.count_queued(partitions=parts)
+        waiting = claims.count_queued(partitions=parts, up_to=up_to)
     room = settings.SCHEDULER_MAX_QUEUED - waiting
     chunk = queue_chunk()
     left = room if room >= chunk else 0
@@ -151,6 +158,12 @@ def scan_once(
                     claims.lock_due(partitions=parts, now=horizon, limit=limit, after=floors)
                     .select_related("job").only(*DUE_FIELDS)
                 )
+                if ceilings is not None:
+                    # Raised before the runs are queued: a ceiling too high reads a
+                    # little more, one too low would hide a run in flight.
+                    for run in due:
+                        ceilings[run.partition] = max(ceilings.get(run.partition, claims.NONE_IN_FLIGHT),
+                                                      (run.due_at, run.pk))
                 if advance and due:
                     # Stamped no earlier than the statement that locked the rows: `at`
                     # was read before it, and a worker's deferral that let go of a run
@@ -177,7 +190,7 @@ def scan_once(
         return result
     again_at = clock()
     with transaction.atomic():
-        _republish(parts, again_at, republish_budget(room_left=left, batch=batch), result)
+        _republish(parts, again_at, republish_budget(room_left=left, batch=batch), result, up_to)
     if publish and result.republished:
         publish_runs(result.republished, now=again_at)
     return result
@@ -202,14 +215,16 @@ def scan_once(
 # and more at the highest rate, where the scanner wakes many times a second: they are
 # asked only when wakeups.FlightReads says so (each part in a CASE, whose subquery
 # PostgreSQL runs only when its branch is taken).
-_EARLIEST_PER_PARTITION = """(SELECT min(e.t)
-          FROM unnest(%s::integer[]) AS p(part)
+_EARLIEST_IN_FLIGHT = """(SELECT min(e.t)
+          FROM unnest(%s::integer[], %s::timestamptz[], %s::bigint[]) AS p(part, up_to_at, up_to_id)
          CROSS JOIN LATERAL (
                SELECT r.{column} AS t FROM runs r
-                WHERE r.partition = p.part AND {where} AND r.kept_for = {open}
+                WHERE r.partition = p.part AND (r.due_at, r.id) <= (p.up_to_at, p.up_to_id)
+                  AND {where} AND r.kept_for = {open}
                 ORDER BY r.{column} LIMIT 1) e)"""
 # A run in flight is due by the store's clock plus claims.in_flight_due_bound(), held
-# or not: runs_due_idx_open's range for it (migration runs 0017).
+# or not, and by the partition's ceiling (wakeups.Ceilings): runs_due_idx_open's range
+# for it (migration runs 0017).
 _IN_FLIGHT = "r.stage = 'flight' AND r.due_at <= STATEMENT_TIMESTAMP() + %s"
 # The due part starts each partition after the last run the scanner's scans took there
 # (DueFloors; claims.DUE_IDS_SQL reads the same way): the runs in flight, due first in
@@ -221,18 +236,34 @@ _EARLIEST_DUE = """(SELECT min(e.t)
                 WHERE r.partition = p.part AND (r.due_at, r.id) > (p.after_at, p.after_id)
                   AND r.stage = 'waiting' AND NOT r.held AND r.kept_for = {open}
                 ORDER BY r.due_at, r.id LIMIT 1) e)""".format(open=OPEN_KEPT_FOR_SQL)
+# The back-pressure count, a partition at a time under its ceiling.
+_QUEUED_COUNT = """(SELECT coalesce(sum(c.n), 0)
+          FROM unnest(%s::integer[], %s::timestamptz[], %s::bigint[]) AS p(part, up_to_at, up_to_id)
+         CROSS JOIN LATERAL (
+               SELECT count(*) AS n FROM runs r
+                WHERE r.partition = p.part AND (r.due_at, r.id) <= (p.up_to_at, p.up_to_id)
+                  AND {where} AND r.status = 'queued' AND r.kept_for = {open}) c)""".format(
+    where=_IN_FLIGHT, open=OPEN_KEPT_FOR_SQL)
+# The ceilings as they are (wakeups.Ceilings, when not known or due again): each
+# partition's last run in flight by (due time, id), read backwards from the bound
+# (through a backlog's waiting runs, once).
+_CEILINGS = """(SELECT json_agg(json_build_array(p.part, m.due_at, m.id))
+          FROM unnest(%s::integer[]) AS p(part)
+         CROSS JOIN LATERAL (
+               SELECT r.due_at, r.id FROM runs r
+                WHERE r.partition = p.part AND {where} AND r.kept_for = {open}
+                ORDER BY r.due_at DESC, r.id DESC LIMIT 1) m)""".format(where=_IN_FLIGHT, open=OPEN_KEPT_FOR_SQL)
 NEXT_WORK_SQL = f"""
 SELECT clock_timestamp(),
        {_EARLIEST_DUE},
-       CASE WHEN %s THEN {_EARLIEST_PER_PARTITION.format(open=OPEN_KEPT_FOR_SQL, column="lease_expires_at", where=_IN_FLIGHT + " AND r.status = 'running'")} END,
-       CASE WHEN %s THEN {_EARLIEST_PER_PARTITION.format(open=OPEN_KEPT_FOR_SQL, column="queued_at", where=_IN_FLIGHT + " AND r.status = 'queued'")} END,
+       CASE WHEN %s THEN {_EARLIEST_IN_FLIGHT.format(open=OPEN_KEPT_FOR_SQL, column="lease_expires_at", where=_IN_FLIGHT + " AND r.status = 'running'")} END,
+       CASE WHEN %s THEN {_EARLIEST_IN_FLIGHT.format(open=OPEN_KEPT_FOR_SQL, column="queued_at", where=_IN_FLIGHT + " AND r.status = 'queued'")} END,
        (SELECT j.paused_until FROM jobs j
          WHERE j.paused_until IS NOT NULL AND j.paused AND j.id %% %s = ANY(%s::integer[])
          ORDER BY j.paused_until LIMIT 1),
        CASE WHEN %s THEN (SELECT n.due_at FROM notices n WHERE n.status = 'pending' ORDER BY n.due_at LIMIT 1) END,
-       CASE WHEN %s THEN (SELECT count(*) FROM runs r
-                           WHERE r.partition = ANY(%s::integer[]) AND {_IN_FLIGHT} AND r.status = 'queued'
-                             AND r.kept_for = {OPEN_KEPT_FOR_SQL}) END
+       CASE WHEN %s THEN {_QUEUED_COUNT} END,
+       CASE WHEN %s THEN {_CEILINGS} END
 """
 # The embedded SQLite file: the same question, plainly (small tables, and no LATERAL).
 NEXT_WORK_SQL_SQLITE = """
@@ -291,30 +322,46 @@ class Work:
     # Runs queued, not yet claimed: read with the runs in flight; in between, the last
     # count plus the runs queued since (wakeups.FlightReads), never less than there are.
     queued_count: int | None = None
+    # Each partition's ceiling as read (next_work's read_ceilings; None: not read).
+    ceilings: "dict[int, tuple[datetime, int]] | None" = None
 
 
 def next_work_params(parts: list[int], *, in_flight: bool, notices: bool,
-                     floors: "dict[int, tuple[datetime, int]] | None" = None) -> list[object]:
+                     floors: "dict[int, tuple[datetime, int]] | None" = None,
+                     ceilings: "dict[int, tuple[datetime, int]] | None" = None,
+                     read_ceilings: bool = False) -> list[object]:
     """NEXT_WORK_SQL's parameters, in its order (the fourth says whether it reads the
     runs in flight)."""
     bound = claims.in_flight_due_bound()
-    return [*claims.floor_params(parts, floors), in_flight, parts, bound, in_flight, parts, bound,
-            settings.SCHEDULER_PARTITIONS, parts, notices, in_flight, parts, bound]
+    up_to = claims.ceiling_params(parts, ceilings)
+    return [*claims.floor_params(parts, floors), in_flight, *up_to, bound, in_flight, *up_to, bound,
+            settings.SCHEDULER_PARTITIONS, parts, notices, in_flight, *up_to, bound,
+            in_flight and read_ceilings, parts, bound]
 
 
 def next_work(partitions: list[int] | frozenset[int], *, notices: bool = False, in_flight: bool = True,
-              floors: "dict[int, tuple[datetime, int]] | None" = None) -> Work:
+              floors: "dict[int, tuple[datetime, int]] | None" = None,
+              ceilings: "dict[int, tuple[datetime, int]] | None" = None,
+              read_ceilings: bool = False) -> Work:
     """One statement: the store's clock and the earliest work in these partitions;
     with `notices`, also the earliest pending notice (the scanner holding partition 0
     publishes the notice sender). Without `in_flight`, the runs in flight are not read
     (`lease` and `queued` come back None): the scanner reads them at most once a
-    FLIGHT_READ_EVERY and in between goes by what it read last (wakeups.FlightReads)."""
+    FLIGHT_READ_EVERY and in between goes by what it read last (wakeups.FlightReads).
+    `floors`: where each partition's due part starts (scan_once's). `ceilings`: the
+    highest (due time, id) a run in flight of each partition has (wakeups.Ceilings; a
+    partition not in it is read up to the look-ahead). With `read_ceilings` (and
+    `in_flight`), the answer has each partition's ceiling as it is, in `ceilings`."""
     parts = sorted(partitions)
     n = settings.SCHEDULER_PARTITIONS
+    found = None
     with connection.cursor() as cursor:
         if connection.vendor == "postgresql":
-            cursor.execute(NEXT_WORK_SQL, next_work_params(parts, in_flight=in_flight, notices=notices, floors=floors))
+            cursor.execute(NEXT_WORK_SQL, next_work_params(parts, in_flight=in_flight, notices=notices, floors=floors,
+                                                           ceilings=ceilings, read_ceilings=read_ceilings))
             row = cursor.fetchone()
+            if in_flight and read_ceilings:
+                found = _ceilings_read(row[7], parts)
         else:
             marks = ", ".join(["%s"] * len(parts)) or "NULL"
             cursor.execute(NEXT_WORK_SQL_SQLITE.format(parts=marks),
@@ -324,7 +371,16 @@ def next_work(partitions: list[int] | frozenset[int], *, notices: bool = False, 
     assert now is not None
     count = None if row[6] is None else int(row[6])
     return Work(now=now, due=due, lease=lease, queued=queued, resume=resume, notices=notice, in_flight=in_flight,
-                queued_count=count)
+                queued_count=count, ceilings=found)
+
+
+def _ceilings_read(value: Any, parts: list[int]) -> "dict[int, tuple[datetime, int]]":
+    """The probe's ceilings column (a JSON list of [partition, due_at, id]; NULL when no
+    partition has a run in flight) as a ceiling for each partition read."""
+    if isinstance(value, str):
+        value = json.loads(value)
+    found = {int(p): (datetime.fromisoformat(at), int(pk)) for p, at, pk in value or []}
+    return {p: found.get(p, claims.NONE_IN_FLIGHT) for p in parts}
 
 
 def queue_chunk() -> int:
@@ -393,8 +449,8 @@ def _resume_due_jobs(parts: list[int], now: datetime, batch: int, result: ScanRe
             result.resumed.append(job_id)
 
 
-def _recover(parts: list[int], now: datetime, batch: int, result: ScanResult) -> None:
-    expired = claims.release_expired_leases(partitions=parts, now=now, limit=batch)
+def _recover(parts: list[int], now: datetime, batch: int, result: ScanResult, up_to: datetime | None = None) -> None:
+    expired = claims.release_expired_leases(partitions=parts, now=now, limit=batch, up_to=up_to)
     found = [events.event(i, "lease_expired", now) for i in expired]
     stopped = _stop_runs_of_stopped_jobs(expired, now, found)
     events.record_many(found)
@@ -422,7 +478,8 @@ def _stop_runs_of_stopped_jobs(ids: list[int], now: datetime, found: list[events
     return {*deleted, *paused}
 
 
-def _republish(parts: list[int], now: datetime, budget: int, result: ScanResult) -> None:
+def _republish(parts: list[int], now: datetime, budget: int, result: ScanResult,
+               up_to: datetime | None = None) -> None:
     """Queued runs not claimed within SCHEDULER_REQUEUE_AFTER, published again: their
     message may be lost (a broker flushed or restarted, a dead worker's prefetch).
 
@@ -445,10 +502,10 @@ def _republish(parts: list[int], now: datetime, budget: int, result: ScanResult)
     claimed from an earlier copy pulled the cut forward: the republishing fed itself
     again, 70,389 and 120,247 copies in the soak's first 4 minutes.)"""
     older = timedelta(seconds=settings.SCHEDULER_REQUEUE_AFTER)
-    reached = claims.claimed_up_to(partitions=parts, since=now - older)
+    reached = claims.claimed_up_to(partitions=parts, since=now - older, up_to=up_to)
     stale = claims.touch_unclaimed(
         partitions=parts, now=now, older_than=older, limit=budget,
-        before=None if reached is None else reached - older,
+        before=None if reached is None else reached - older, up_to=up_to,
     )
     events.record_many(events.event(i, "requeued", now, reason="not claimed in time; published again") for i in stale)
     result.republished = stale

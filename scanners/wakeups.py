@@ -48,6 +48,10 @@ FLIGHT_READ_EVERY = 1.0
 # A read due this close is taken now: an idle scanner waking by its 1 s interval reads
 # them on each wake, rather than skipping by a hair and probing again at once.
 FLIGHT_READ_SLACK = 0.05
+# The ceilings of the reads of runs in flight are read as they are at least this often
+# (Ceilings): a run in flight above one (queued by a scanner that held the partition
+# before, and had not yet seen it lose its lease) is read within this.
+CEILINGS_READ_EVERY = 30.0
 
 
 @dataclass
@@ -231,6 +235,58 @@ class FlightReads:
     def forget(self) -> None:
         """The partitions changed, or a scan failed: the next probe reads them."""
         self._last = None
+
+
+@dataclass
+class Ceilings:
+    """The highest (due time, id) a run in flight has in each of the scanner's
+    partitions, as far as it knows: where its reads of runs in flight stop.
+
+    runs_due_idx_open holds waiting runs and runs in flight together, ordered by due
+    time (migration runs 0017: neither the queueing nor the claim writes an index
+    entry). A read of runs in flight bounded by the clock alone reads every waiting run
+    due by then as well, and in a backlog that is all of it, on each read (the probe's
+    lease and queued parts and the back-pressure count; docs/performance.md, "Issue 18,
+    step 8"). The scanner takes waiting runs in (due time, id) order, so in a backlog
+    the waiting runs are above the last one it took.
+
+    `known` is read as it is (next_work's read_ceilings: each partition's last run in
+    flight, one read through the backlog) when the partitions change, after a failed
+    turn, and every `every` seconds; in between each scan raises it over the runs it
+    takes, before they are queued (scanners.scan.scan_once). Every other way a run gets
+    in flight keeps it under: a lease run out or a republish leaves its due time as it
+    was; a deferral, a retry, a pause or an edit makes it waiting first, and it is
+    queued again by a scan. The one way past it: a scanner that held a partition
+    before and goes on queueing there until it sees its lease lost (a batch at most,
+    scan_once's keep_going); such a run is read within `every`. Until then the
+    back-pressure count can be short by those runs, and their lease recovery and
+    republish wait."""
+
+    every: float = CEILINGS_READ_EVERY
+    clock: Callable[[], float] = time.monotonic
+    known: dict[int, tuple[datetime, int]] = field(default_factory=dict)
+    _read_at: float | None = field(init=False, default=None)
+
+    def due(self) -> bool:
+        """Whether the next read of runs in flight reads the ceilings as they are (and
+        reads up to the look-ahead, not up to them)."""
+        return self._read_at is None or self.clock() - self._read_at >= self.every
+
+    def read(self, found: dict[int, tuple[datetime, int]]) -> None:
+        """What a probe read as the ceilings: they only go up while the partitions
+        stay this scanner's."""
+        self.known = {p: max(at, self.known.get(p, at)) for p, at in found.items()}
+        self._read_at = self.clock()
+
+    def for_scan(self) -> dict[int, tuple[datetime, int]] | None:
+        """What a scan stops its reads of runs in flight at, and raises: None until
+        they have been read (the embedded SQLite file never reads them)."""
+        return None if self._read_at is None else self.known
+
+    def forget(self) -> None:
+        """The partitions changed, or a turn failed: read them again."""
+        self.known = {}
+        self._read_at = None
 
 
 class Listener:

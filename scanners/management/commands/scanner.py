@@ -17,7 +17,7 @@ from runs.tasks import keep_run_partitions, send_notices
 from scanners.coordination import PartitionLeases, make_leases
 from scanners.scan import ScanResult, next_work, scan_once, scanner_session
 from scanners.vacuum import OpenRunsVacuum
-from scanners.wakeups import RETRY_AFTER_ERROR, FlightReads, Listener, Pacer
+from scanners.wakeups import RETRY_AFTER_ERROR, Ceilings, FlightReads, Listener, Pacer
 
 logger = logging.getLogger("scheduler.scanner")
 
@@ -67,6 +67,8 @@ class Command(BaseCommand):
         # Where each partition's reads of waiting runs start (scanners.scan.scan_once's
         # `floors`): after the last run a scan took there, until the next full read.
         self.floors: dict[int, tuple[Any, int]] = {}
+        # Where each partition's reads of runs in flight stop (scanners.wakeups.Ceilings).
+        self.ceilings = Ceilings()
         self.vacuum = OpenRunsVacuum.for_scanner(settings.SCHEDULER_OPEN_RUNS_VACUUM_AFTER, leases.identifier)
         self.owned: frozenset[int] = frozenset()
         self.upkeep_at = 0.0  # time.monotonic() of the next history upkeep (partition 0's scanner)
@@ -115,6 +117,7 @@ class Command(BaseCommand):
             self.pacer.forget()
             self.flight.forget()
             self.floors = {}
+            self.ceilings.forget()
         self.owned = owned
         if self.listener is not None:
             self.listener.partitions = owned
@@ -128,7 +131,11 @@ class Command(BaseCommand):
                 # too: a run that turned waiting behind a floor (a deferral, a hold
                 # released, a run due now) waits at most until then.
                 self.floors = {}
-            work = self.flight.merge(next_work(owned, notices=0 in owned, in_flight=full, floors=self.floors))
+            exact = full and self.ceilings.due()
+            work = self.flight.merge(next_work(owned, notices=0 in owned, in_flight=full, floors=self.floors,
+                                               ceilings=None if exact else self.ceilings.for_scan(), read_ceilings=exact))
+            if work.ceilings is not None:
+                self.ceilings.read(work.ceilings)
             self.pacer.observe(work)
             self._notices(work)
             if 0 in owned:
@@ -139,12 +146,14 @@ class Command(BaseCommand):
             # A live scan: later batches by the time it has taken; it ends early if
             # its partitions stop being this scanner's meanwhile.
             result = scan_once(partitions=owned, now=work.now, advance=True,
-                               keep_going=lambda: leases.poll() == owned, work=work, floors=self.floors)
+                               keep_going=lambda: leases.poll() == owned, work=work, floors=self.floors,
+                               ceilings=self.ceilings.for_scan())
         except Exception:  # the database is down or a statement failed: try again next turn
             logger.exception("scan failed")
             self._store_failed()
             self.flight.forget()
             self.floors = {}
+            self.ceilings.forget()
             self.rescan = True
             return min(self.pacer.longest, RETRY_AFTER_ERROR)
         self.rescan = False

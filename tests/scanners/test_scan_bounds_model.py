@@ -1,0 +1,249 @@
+"""The scanner's bounded reads against a small reference model (PostgreSQL).
+
+Since migration runs 0017 one index orders waiting runs and runs in flight together,
+and the scanner's reads stop early on both sides so as not to walk each other:
+
+- the reads of waiting runs (the due read, the probe's due part) start in each partition
+  after the last run a scan took there (the floors), dropped at each read of the runs
+  in flight;
+- the reads of runs in flight (the probe's lease, queued and count parts, lease
+  recovery, the republish) stop at each partition's ceiling (wakeups.Ceilings): read as
+  it is when not known or every CEILINGS_READ_EVERY, raised by each scan over the runs
+  it takes.
+
+A hypothesis state machine drives the real scan and probe (scan_once, next_work, with
+the scanner command's handling of floors and ceilings) and the real claim on real
+PostgreSQL, with the writes that move a run the other ways: a run made waiting again at
+an earlier due time (a deferral, a retry, a pause and resume: behind a floor), a lease
+that ran out, a run that ends, and a run queued by another scanner (one that held the
+partition before and has not yet seen its lease lost: past a ceiling). The model is
+the state of each run. What must hold:
+
+- every write of the scan is one the model allows (a waiting run due by the horizon
+  queued, an expired lease released), and the store agrees with the model after each;
+- a scan right after a read of runs in flight queues every waiting run due: a run
+  behind a floor waits one read of runs in flight at most;
+- each read of runs in flight finds what an unbounded read finds (the earliest lease
+  end, the oldest queued run, the count of queued runs), and a scan releases every
+  ended lease, except for runs another scanner queued since the ceilings were last
+  read as they are: those are found at that read.
+"""
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+import pytest
+from django.db import connection
+from django.db.models import Count, Max, Min
+from django.test import override_settings
+from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+
+from jobs.models import Job
+from runs import claims
+from runs.models import Run
+from scanners.scan import next_work, scan_once
+from scanners.wakeups import CEILINGS_READ_EVERY, Ceilings
+from tests.factories import expire_lease, make_job, make_run
+
+S = Run.Status
+
+pytestmark = [
+    pytest.mark.django_db,
+    pytest.mark.skipif(connection.vendor != "postgresql", reason="the bounded reads are PostgreSQL's"),
+]
+
+PARTS = [2, 5, 11]
+WAITING, QUEUED, RUNNING, ENDED = "waiting", "queued", "running", "ended"
+LOOKAHEAD = 1.0
+
+
+class BoundedReads(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.state: dict[int, str] = {}
+        self.expired: set[int] = set()  # running runs whose lease has run out
+        self.floors: dict[int, tuple[datetime, int]] = {}
+        self.tick = 0.0
+        self.ceilings = Ceilings(clock=lambda: self.tick)
+        self.foreign = False  # a run queued by another scanner since the ceilings were read as they are
+        self.fresh = False  # no scan since the last read of runs in flight (the floors are dropped)
+        self.made = 0
+
+    def teardown(self) -> None:
+        Run.objects.all().delete()
+        Job.objects.all().delete()
+
+    def _in(self, state: str) -> list[int]:
+        return sorted(pk for pk, s in self.state.items() if s == state)
+
+    # ------------------------------------------------------------------ writes
+    @precondition(lambda self: self.made < 24)
+    @rule(part=st.sampled_from(PARTS), offset=st.integers(min_value=-30, max_value=3), same=st.booleans())
+    def add(self, part: int, offset: int, same: bool) -> None:
+        """A waiting run, due up to 30 s ago or a little after the look-ahead; `same`:
+        due at the same time as the partition's last run (a spike's runs share one)."""
+        now = claims.store_now()
+        last = Run.objects.filter(partition=part, pk__in=list(self.state)).order_by("-pk").first()
+        due = last.due_at if same and last is not None else now + timedelta(seconds=offset)
+        self.made += 1
+        run = make_run(make_job(name=f"job {self.made}"), due, partition=part)
+        self.state[run.pk] = WAITING
+
+    @precondition(lambda self: any(s in (QUEUED, RUNNING) for s in self.state.values()))
+    @rule(data=st.data(), back=st.integers(min_value=1, max_value=60))
+    def made_waiting_again(self, data: st.DataObject, back: int) -> None:
+        """Queued or running, made waiting again at an earlier due time: behind the floor."""
+        pk = data.draw(st.sampled_from(self._in(QUEUED) + self._in(RUNNING)))
+        run = Run.objects.get(pk=pk)
+        Run.objects.filter(pk=pk).update(status=S.SCHEDULED, due_at=run.due_at - timedelta(seconds=back),
+                                         queued_at=None, lease_owner="", lease_expires_at=None)
+        self.state[pk] = WAITING
+        self.expired.discard(pk)
+
+    @precondition(lambda self: bool([pk for pk in self.state if self.state[pk] == QUEUED]))
+    @rule(data=st.data())
+    def claim(self, data: st.DataObject) -> None:
+        pk = data.draw(st.sampled_from(self._in(QUEUED)))
+        if claims.claim_many(run_ids=[pk], worker="w1", lease=timedelta(minutes=5)):
+            self.state[pk] = RUNNING
+        else:  # not due yet by the store's clock: the worker waits for it
+            assert Run.objects.get(pk=pk).due_at > claims.store_now() - timedelta(seconds=1)
+
+    @precondition(lambda self: bool([pk for pk in self.state if self.state[pk] == RUNNING]))
+    @rule(data=st.data())
+    def lease_runs_out(self, data: st.DataObject) -> None:
+        pk = data.draw(st.sampled_from(self._in(RUNNING)))
+        expire_lease(pk)
+        self.expired.add(pk)
+
+    @precondition(lambda self: bool([pk for pk in self.state if self.state[pk] == RUNNING]))
+    @rule(data=st.data())
+    def ends(self, data: st.DataObject) -> None:
+        pk = data.draw(st.sampled_from(self._in(RUNNING)))
+        Run.objects.filter(pk=pk).update(status=S.SUCCEEDED, finished_at=claims.store_now())
+        self.state[pk] = ENDED
+        self.expired.discard(pk)
+
+    @precondition(lambda self: bool([pk for pk in self.state if self.state[pk] == WAITING]))
+    @rule(data=st.data())
+    def another_scanner_queues(self, data: st.DataObject) -> None:
+        """A run queued by another scanner: due by its horizon, like any it queues."""
+        soon = claims.store_now() + timedelta(seconds=LOOKAHEAD)
+        pk = data.draw(st.sampled_from(self._in(WAITING)))
+        if Run.objects.get(pk=pk).due_at > soon:
+            return
+        claims.mark_queued(run_ids=[pk], now=claims.store_now())
+        self.state[pk] = QUEUED
+        self.foreign = True
+
+    # ------------------------------------------------------------------ the scanner
+    @rule()
+    def partitions_change_hands(self) -> None:
+        """What the scanner command does when its partitions change, or a turn fails."""
+        self.floors.clear()
+        self.ceilings.forget()
+
+    @rule(seconds=st.sampled_from([0.5, CEILINGS_READ_EVERY]))
+    def time_passes(self, seconds: float) -> None:
+        self.tick += seconds
+
+    @rule()
+    def read_runs_in_flight(self) -> None:
+        """The probe as the scanner command asks it when it reads the runs in flight."""
+        self.floors.clear()
+        exact = self.ceilings.due()
+        work = next_work(PARTS, in_flight=True, floors=self.floors,
+                         ceilings=None if exact else self.ceilings.for_scan(), read_ceilings=exact)
+        if exact:
+            assert work.ceilings is not None and set(work.ceilings) == set(PARTS)
+            self.ceilings.read(work.ceilings)
+            self.foreign = False
+        else:
+            assert work.ceilings is None
+        self.fresh = True
+        waiting = Run.objects.filter(pk__in=self._in(WAITING))
+        assert work.due == waiting.aggregate(t=Min("due_at"))["t"]
+        if not self.foreign:
+            queued = Run.objects.filter(pk__in=self._in(QUEUED)).aggregate(t=Min("queued_at"), n=Count("id"))
+            running = Run.objects.filter(pk__in=self._in(RUNNING)).aggregate(t=Min("lease_expires_at"))
+            assert (work.queued, work.queued_count, work.lease) == (queued["t"], queued["n"], running["t"])
+        if exact:
+            # Each partition's ceiling is its last run in flight, or none.
+            for part in PARTS:
+                top = Run.objects.filter(pk__in=self._in(QUEUED) + self._in(RUNNING), partition=part).aggregate(
+                    at=Max("due_at"))["at"]
+                assert (work.ceilings[part][0] == top) if top else work.ceilings[part] == claims.NONE_IN_FLIGHT
+
+    @rule()
+    def scan(self) -> None:
+        now = claims.store_now()
+        fresh, self.fresh = self.fresh, False
+        expired = set(self.expired)
+        bounded = not self.foreign and self.ceilings.for_scan() is not None
+        result = scan_once(partitions=PARTS, now=now, publish=False, floors=self.floors,
+                           ceilings=self.ceilings.for_scan())
+        horizon = now + timedelta(seconds=LOOKAHEAD)
+        for pk in result.queued:
+            assert self.state[pk] == WAITING
+            assert Run.objects.get(pk=pk).due_at <= horizon
+            self.state[pk] = QUEUED
+        for pk in result.lease_expired:
+            assert self.state[pk] == RUNNING and pk in self.expired
+            self.state[pk] = QUEUED
+            self.expired.discard(pk)
+        assert not result.set_aside and not result.skipped
+        if fresh:
+            left = Run.objects.filter(pk__in=self._in(WAITING), due_at__lte=now).values_list("pk", flat=True)
+            assert list(left) == [], "a due run was left waiting by a scan after a read of runs in flight"
+        if bounded:  # a batch of them a scan, the earliest ended first
+            assert len(result.lease_expired) == min(3, len(expired)), "a lease that ran out was not released"
+
+    @invariant()
+    def the_store_agrees(self) -> None:
+        if not self.state:
+            return
+        rows = dict(Run.objects.filter(pk__in=list(self.state)).values_list("pk", "status"))
+        of = {S.SCHEDULED: WAITING, S.QUEUED: QUEUED, S.RUNNING: RUNNING, S.SUCCEEDED: ENDED}
+        assert {pk: of[status] for pk, status in rows.items()} == self.state
+
+
+def test_the_scanners_bounded_reads_miss_no_run() -> None:
+    # Misfire: a run up to a minute late is not late here (only the reads are tested);
+    # three runs a batch, so a scan takes several batches and moves its floors between.
+    with override_settings(SCHEDULER_LOOKAHEAD=LOOKAHEAD, SCHEDULER_SCAN_BATCH=3, SCHEDULER_MAX_QUEUED=10_000,
+                           SCHEDULER_MISFIRE_GRACE=600):
+        run_state_machine_as_test(BoundedReads, settings=settings(
+            max_examples=60, stateful_step_count=40, deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+
+
+def test_a_read_bounded_by_the_ceilings_does_not_read_the_waiting_backlog() -> None:
+    """The reason for the ceilings: 2,000 waiting runs due, 20 in flight below them. The
+    probe's read of runs in flight under the ceilings reads a few dozen buffers of
+    runs_open; without them (the bound of the clock alone) it reads the backlog."""
+    now = claims.store_now()
+    for i in range(2_020):
+        make_run(make_job(name=f"backlog {i}"), now - timedelta(seconds=60) + timedelta(milliseconds=i), partition=5)
+    first = list(Run.objects.filter(partition=5).order_by("due_at", "id").values_list("pk", flat=True)[:20])
+    claims.mark_queued(run_ids=first, now=now)
+    ceilings = Ceilings(clock=lambda: 0.0)
+    work = next_work([5], in_flight=True, read_ceilings=True)
+    ceilings.read(work.ceilings)
+    last = Run.objects.get(pk=first[-1])
+    assert ceilings.known == {5: (last.due_at, last.pk)}
+    from scanners.scan import NEXT_WORK_SQL, next_work_params
+
+    def buffers(bounded: bool) -> int:
+        params = next_work_params([5], in_flight=True, notices=False,
+                                  ceilings=ceilings.for_scan() if bounded else None)
+        with connection.cursor() as cursor:
+            cursor.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + NEXT_WORK_SQL, params)
+            plan = cursor.fetchone()[0]
+        plan = plan if isinstance(plan, list) else __import__("json").loads(plan)
+        return int(plan[0]["Plan"]["Shared Hit Blocks"]) + int(plan[0]["Plan"].get("Shared Read Blocks", 0))
+
+    bounded, unbounded = buffers(True), buffers(False)
+    assert bounded * 3 < unbounded, (bounded, unbounded)
+    assert next_work([5], in_flight=True, ceilings=ceilings.for_scan()).queued_count == 20
