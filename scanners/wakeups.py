@@ -20,13 +20,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from scanners.scan import ScanResult, Work
 
 logger = logging.getLogger("scheduler.scanner")
 
+EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)  # the notified due times count from it
 CHANNEL = "scheduler_due"  # the triggers' channel (migration runs 0011)
 # The triggers notify work due within this of the writing statement's clock; work
 # due later is found by a scanner's own wake, which is never further apart than
@@ -52,6 +53,10 @@ FLIGHT_READ_SLACK = 0.05
 # (Ceilings): a run in flight above one (queued by a scanner that held the partition
 # before, and had not yet seen it lose its lease) is read within this.
 CEILINGS_READ_EVERY = 30.0
+# A scanner with a listener drops its floors (where its reads of waiting runs start,
+# scanners.scan.scan_once) at least this often: a waiting run its scan's lock skipped,
+# which nothing notifies, is read again within it.
+FLOORS_DROP_EVERY = 5.0
 
 
 @dataclass
@@ -296,7 +301,14 @@ class Listener:
 
     If the connection drops it reconnects with backoff, and wakes the scanner once
     it is back (what was sent meanwhile is lost); until then the scanner sleeps by
-    its interval, which is all a lost notification costs."""
+    its interval, which is all a lost notification costs.
+
+    A run's notification names its due time too (migration runs 0018: '<partition>
+    <microseconds since the epoch>'): the earliest of each partition since the scanner
+    last asked is kept for it (take_lowered), to lower the floor its reads of waiting
+    runs start after (scanners.scan.scan_once). Until a LISTEN is in place, and after
+    each reconnect, what was written meanwhile is not known: take_lowered says so, and
+    the scanner drops its floors."""
 
     def __init__(self, identifier: str, conn_params: dict[str, Any], wake: Callable[[], None]) -> None:
         self.partitions: frozenset[int] = frozenset()
@@ -307,6 +319,18 @@ class Listener:
         self._reset = threading.Event()
         self._pipe_r, self._pipe_w = os.pipe()
         self._thread = threading.Thread(target=self._run, name=f"listen-{identifier}", daemon=True)
+        self._lock = threading.Lock()
+        self._lowered: dict[int, datetime] = {}  # the earliest due time notified, each partition
+        self._unknown = True  # not listening since the last take_lowered: floors go
+
+    def take_lowered(self) -> tuple[bool, dict[int, datetime]]:
+        """Whether notifications may have been missed since the last call (the
+        scanner then drops its floors), and the earliest due time each partition of
+        this scanner was notified of since; both start again."""
+        with self._lock:
+            unknown, lowered = self._unknown or not self.listening.is_set(), self._lowered
+            self._unknown, self._lowered = False, {}
+        return unknown, lowered
 
     @classmethod
     def for_scanner(cls, identifier: str, wake: Callable[[], None]) -> Listener | None:
@@ -361,6 +385,8 @@ class Listener:
 
         with psycopg.connect(**self._params, autocommit=True) as conn:
             conn.execute(f"LISTEN {CHANNEL}")
+            with self._lock:
+                self._unknown = True
             self.listening.set()
             # Listening now: whatever was written while it was not is looked for at once.
             self._wake()
@@ -380,10 +406,22 @@ class Listener:
 
     def _deliver(self, payloads: list[str]) -> None:
         partitions = self.partitions
+        wake = False
         for payload in payloads:
-            if payload == "*" or (payload.isdigit() and int(payload) in partitions):
-                self._wake()
-                return
+            part, _, micros = payload.partition(" ")
+            if payload == "*":
+                wake = True
+            elif part.isdigit() and int(part) in partitions:
+                wake = True
+                if micros.lstrip("-").isdigit():
+                    self._lower(int(part), EPOCH + timedelta(microseconds=int(micros)))
+        if wake:
+            self._wake()
+
+    def _lower(self, partition: int, due: datetime) -> None:
+        with self._lock:
+            if partition not in self._lowered or due < self._lowered[partition]:
+                self._lowered[partition] = due
 
 
 def listen_params(conn_params: dict[str, Any], identifier: str) -> dict[str, Any]:

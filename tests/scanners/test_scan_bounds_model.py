@@ -4,25 +4,28 @@ Since migration runs 0017 one index orders waiting runs and runs in flight toget
 and the scanner's reads stop early on both sides so as not to walk each other:
 
 - the reads of waiting runs (the due read, the probe's due part) start in each partition
-  after the last run a scan took there (the floors), dropped at each read of the runs
-  in flight;
+  after the last run a scan took there (the floors), lowered to the due time of each run
+  that turns waiting (the scanners' notification names it, migration runs 0018), and
+  dropped when notifications may have been lost;
 - the reads of runs in flight (the probe's lease, queued and count parts, lease
   recovery, the republish) stop at each partition's ceiling (wakeups.Ceilings): read as
   it is when not known or every CEILINGS_READ_EVERY, raised by each scan over the runs
   it takes.
 
 A hypothesis state machine drives the real scan and probe (scan_once, next_work, with
-the scanner command's handling of floors and ceilings) and the real claim on real
-PostgreSQL, with the writes that move a run the other ways: a run made waiting again at
-an earlier due time (a deferral, a retry, a pause and resume: behind a floor), a lease
-that ran out, a run that ends, and a run queued by another scanner (one that held the
-partition before and has not yet seen its lease lost: past a ceiling). The model is
-the state of each run. What must hold:
+the scanner command's handling of floors and ceilings: Command._lower_floors, Ceilings)
+and the real claim on real PostgreSQL, with the writes that move a run the other ways: a
+run made waiting again at an earlier due time (a deferral, a retry, a pause and resume:
+behind a floor), a lease that ran out, a run that ends, and a run queued by another
+scanner (one that held the partition before and has not yet seen its lease lost: past a
+ceiling). The notifications are the test's (what the triggers send for each write that
+makes a run waiting; inside the test's transaction none is delivered): the test after
+this one has the triggers and the listener for real. The model is the state of each
+run. What must hold:
 
 - every write of the scan is one the model allows (a waiting run due by the horizon
   queued, an expired lease released), and the store agrees with the model after each;
-- a scan right after a read of runs in flight queues every waiting run due: a run
-  behind a floor waits one read of runs in flight at most;
+- each scan queues every waiting run due, however far its floors had moved;
 - each read of runs in flight finds what an unbounded read finds (the earliest lease
   end, the oldest queued run, the count of queued runs), and a scan releases every
   ended lease, except for runs another scanner queued since the ceilings were last
@@ -30,6 +33,8 @@ the state of each run. What must hold:
 """
 from __future__ import annotations
 
+import threading
+import time
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -43,8 +48,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from jobs.models import Job
 from runs import claims
 from runs.models import Run
+from scanners.management.commands.scanner import Command
 from scanners.scan import next_work, scan_once
-from scanners.wakeups import CEILINGS_READ_EVERY, Ceilings
+from scanners.wakeups import CEILINGS_READ_EVERY, Ceilings, Listener
 from tests.factories import expire_lease, make_job, make_run
 
 S = Run.Status
@@ -68,8 +74,30 @@ class BoundedReads(RuleBasedStateMachine):
         self.tick = 0.0
         self.ceilings = Ceilings(clock=lambda: self.tick)
         self.foreign = False  # a run queued by another scanner since the ceilings were read as they are
-        self.fresh = False  # no scan since the last read of runs in flight (the floors are dropped)
         self.made = 0
+        # The scanner command's floor handling, with the test's notifications.
+        self.notified: dict[int, datetime] = {}
+        self.lost = False
+        self.command = Command.__new__(Command)
+        self.command.listener = self
+        self.command.floors = self.floors
+
+    def take_lowered(self) -> tuple[bool, dict[int, datetime]]:
+        """The Listener's side of the scanner command's _lower_floors."""
+        taken = (self.lost, self.notified)
+        self.lost, self.notified = False, {}
+        return taken
+
+    def _notify(self, run: Run) -> None:
+        """What the triggers send for a run that turned waiting, due within the horizon."""
+        if run.due_at < claims.store_now() + timedelta(seconds=60):
+            self.notified[run.partition] = min(run.due_at, self.notified.get(run.partition, run.due_at))
+
+    def _turn(self, full: bool) -> None:
+        """The start of the scanner command's turn: its floors as _lower_floors leaves them."""
+        self.command.floors, self.command.floors_dropped_at = self.floors, float("inf")
+        self.command._lower_floors(full)
+        self.floors = self.command.floors
 
     def teardown(self) -> None:
         Run.objects.all().delete()
@@ -90,6 +118,7 @@ class BoundedReads(RuleBasedStateMachine):
         self.made += 1
         run = make_run(make_job(name=f"job {self.made}"), due, partition=part)
         self.state[run.pk] = WAITING
+        self._notify(run)
 
     @precondition(lambda self: any(s in (QUEUED, RUNNING) for s in self.state.values()))
     @rule(data=st.data(), back=st.integers(min_value=1, max_value=60))
@@ -101,6 +130,7 @@ class BoundedReads(RuleBasedStateMachine):
                                          queued_at=None, lease_owner="", lease_expires_at=None)
         self.state[pk] = WAITING
         self.expired.discard(pk)
+        self._notify(Run.objects.get(pk=pk))
 
     @precondition(lambda self: bool([pk for pk in self.state if self.state[pk] == QUEUED]))
     @rule(data=st.data())
@@ -142,8 +172,13 @@ class BoundedReads(RuleBasedStateMachine):
     @rule()
     def partitions_change_hands(self) -> None:
         """What the scanner command does when its partitions change, or a turn fails."""
-        self.floors.clear()
+        self.floors = {}
         self.ceilings.forget()
+
+    @rule()
+    def notifications_lost(self) -> None:
+        """The listen connection was lost and is back: the floors go."""
+        self.lost = True
 
     @rule(seconds=st.sampled_from([0.5, CEILINGS_READ_EVERY]))
     def time_passes(self, seconds: float) -> None:
@@ -152,7 +187,7 @@ class BoundedReads(RuleBasedStateMachine):
     @rule()
     def read_runs_in_flight(self) -> None:
         """The probe as the scanner command asks it when it reads the runs in flight."""
-        self.floors.clear()
+        self._turn(full=True)
         exact = self.ceilings.due()
         work = next_work(PARTS, in_flight=True, floors=self.floors,
                          ceilings=None if exact else self.ceilings.for_scan(), read_ceilings=exact)
@@ -162,7 +197,6 @@ class BoundedReads(RuleBasedStateMachine):
             self.foreign = False
         else:
             assert work.ceilings is None
-        self.fresh = True
         waiting = Run.objects.filter(pk__in=self._in(WAITING))
         assert work.due == waiting.aggregate(t=Min("due_at"))["t"]
         if not self.foreign:
@@ -178,8 +212,8 @@ class BoundedReads(RuleBasedStateMachine):
 
     @rule()
     def scan(self) -> None:
+        self._turn(full=False)
         now = claims.store_now()
-        fresh, self.fresh = self.fresh, False
         expired = set(self.expired)
         bounded = not self.foreign and self.ceilings.for_scan() is not None
         result = scan_once(partitions=PARTS, now=now, publish=False, floors=self.floors,
@@ -194,9 +228,8 @@ class BoundedReads(RuleBasedStateMachine):
             self.state[pk] = QUEUED
             self.expired.discard(pk)
         assert not result.set_aside and not result.skipped
-        if fresh:
-            left = Run.objects.filter(pk__in=self._in(WAITING), due_at__lte=now).values_list("pk", flat=True)
-            assert list(left) == [], "a due run was left waiting by a scan after a read of runs in flight"
+        left = Run.objects.filter(pk__in=self._in(WAITING), due_at__lte=now).values_list("pk", flat=True)
+        assert list(left) == [], "a due run was left waiting by a scan"
         if bounded:  # a batch of them a scan, the earliest ended first
             assert len(result.lease_expired) == min(3, len(expired)), "a lease that ran out was not released"
 
@@ -247,3 +280,57 @@ def test_a_read_bounded_by_the_ceilings_does_not_read_the_waiting_backlog() -> N
     bounded, unbounded = buffers(True), buffers(False)
     assert bounded * 3 < unbounded, (bounded, unbounded)
     assert next_work([5], in_flight=True, ceilings=ceilings.for_scan()).queued_count == 20
+
+
+def _lowered(listener: Listener, wait: float = 5.0) -> tuple[bool, dict[int, datetime]]:
+    """What the listener has for the scanner, waiting for a notification to arrive."""
+    deadline = time.monotonic() + wait
+    while True:
+        unknown, lowered = listener.take_lowered()
+        if unknown or lowered or time.monotonic() > deadline:
+            return unknown, lowered
+        time.sleep(0.02)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_run_that_turns_waiting_behind_the_floor_is_notified_with_its_due_time_and_the_floor_goes_down_to_it(
+) -> None:
+    """The triggers (migration runs 0018) and the scanner's listener for real: a run due now
+    (run now) and a run in flight made waiting at an earlier time (a deferral) each
+    notify their due time, and the scanner command lowers its floor to it, so that the
+    next scan queues them. Before 0018 the notification had the partition alone, and
+    such a run waited for the floors to be dropped."""
+    woken = threading.Event()
+    listener = Listener.for_scanner("floors", woken.set)
+    assert listener is not None
+    try:
+        listener.partitions = frozenset([3])
+        assert listener.listening.wait(10)
+        assert listener.take_lowered() == (True, {})  # what was written before it listened: unknown
+        command = Command.__new__(Command)
+        command.listener, command.floors, command.floors_dropped_at = listener, {}, time.monotonic()
+        now = claims.store_now()
+        first = make_run(make_job(name="first"), now - timedelta(seconds=1), partition=3)
+        assert _lowered(listener) == (False, {3: first.due_at})
+        assert scan_once(partitions=[3], now=now, publish=False, floors=command.floors).queued == [first.pk]
+        assert command.floors == {3: (first.due_at, first.pk)}
+
+        behind = make_run(make_job(name="run now"), now - timedelta(seconds=5), partition=3)
+        assert _lowered(listener) == (False, {3: behind.due_at})
+        listener._lower(3, behind.due_at)  # as it was notified, for the command's own take
+        command._lower_floors(full=False)
+        assert command.floors == {3: (behind.due_at, 0)}
+        assert scan_once(partitions=[3], now=now, publish=False, floors=command.floors).queued == [behind.pk]
+
+        # A run in flight made waiting at an earlier due time: the update's notification.
+        earlier = first.due_at - timedelta(seconds=30)
+        Run.objects.filter(pk=first.pk).update(status=S.SCHEDULED, due_at=earlier, queued_at=None)
+        assert _lowered(listener) == (False, {3: earlier})
+        listener._lower(3, earlier)
+        command._lower_floors(full=False)
+        assert scan_once(partitions=[3], now=now, publish=False, floors=command.floors).queued == [first.pk]
+        # Another partition's notification wakes nobody and lowers nothing.
+        make_run(make_job(name="elsewhere"), now, partition=4)
+        assert _lowered(listener, wait=0.5) == (False, {})
+    finally:
+        listener.stop()

@@ -329,13 +329,15 @@ def test_the_scanners_probe_steps_over_the_dead_entries_of_ended_runs_once_it_ha
 
 @pytest.fixture
 def listening() -> Iterator[Callable[[], list[str]]]:
-    """A LISTEN connection of the test's own: what was notified since the last call."""
+    """A LISTEN connection of the test's own: what was notified since the last call (the
+    partition, or '0' or '*', of each notification; a run's due time, which follows it,
+    is the test of its own below)."""
     conn = psycopg.connect(**listen_params(connection.get_connection_params(), "test"), autocommit=True)
     conn.execute(f"LISTEN {CHANNEL}")
 
     def received() -> list[str]:
         time.sleep(0.05)  # delivered at commit; give the server a moment to send it
-        return sorted(n.payload for n in conn.notifies(timeout=0.2))
+        return sorted(n.payload.split(" ")[0] for n in conn.notifies(timeout=0.2))
 
     yield received
     conn.close()

@@ -17,7 +17,7 @@ from runs.tasks import keep_run_partitions, send_notices
 from scanners.coordination import PartitionLeases, make_leases
 from scanners.scan import ScanResult, next_work, scan_once, scanner_session
 from scanners.vacuum import OpenRunsVacuum
-from scanners.wakeups import RETRY_AFTER_ERROR, Ceilings, FlightReads, Listener, Pacer
+from scanners.wakeups import FLOORS_DROP_EVERY, RETRY_AFTER_ERROR, Ceilings, FlightReads, Listener, Pacer
 
 logger = logging.getLogger("scheduler.scanner")
 
@@ -69,6 +69,7 @@ class Command(BaseCommand):
         self.floors: dict[int, tuple[Any, int]] = {}
         # Where each partition's reads of runs in flight stop (scanners.wakeups.Ceilings).
         self.ceilings = Ceilings()
+        self.floors_dropped_at = 0.0  # time.monotonic() of the last drop of every floor
         self.vacuum = OpenRunsVacuum.for_scanner(settings.SCHEDULER_OPEN_RUNS_VACUUM_AFTER, leases.identifier)
         self.owned: frozenset[int] = frozenset()
         self.upkeep_at = 0.0  # time.monotonic() of the next history upkeep (partition 0's scanner)
@@ -126,11 +127,7 @@ class Command(BaseCommand):
         try:
             self._check_connection()
             full = self.flight.wanted()
-            if full:
-                # Each read of the runs in flight reads the waiting runs from the start
-                # too: a run that turned waiting behind a floor (a deferral, a hold
-                # released, a run due now) waits at most until then.
-                self.floors = {}
+            self._lower_floors(full)
             exact = full and self.ceilings.due()
             work = self.flight.merge(next_work(owned, notices=0 in owned, in_flight=full, floors=self.floors,
                                                ceilings=None if exact else self.ceilings.for_scan(), read_ceilings=exact))
@@ -162,6 +159,29 @@ class Command(BaseCommand):
         self.vacuum.counted(len(result.queued) + len(result.republished), owned, settings.SCHEDULER_PARTITIONS)
         self._report(result)
         return 0.0
+
+    def _lower_floors(self, full: bool) -> None:
+        """Floors lowered to where a run turned waiting behind them (scanners.scan.scan_once's
+        `floors`). With a listener, to each due time notified since the last turn
+        (migration runs 0018: run now, a retry, a deferral, a resume, an edit that
+        brings a run sooner), all of them when notifications may have been missed, and
+        all of them every FLOORS_DROP_EVERY: a waiting run that a scan's lock skipped
+        (another transaction held it) is behind the floor with nothing notified.
+        Without one (the embedded SQLite file, `--once`), at each read of the runs in
+        flight."""
+        now = time.monotonic()
+        if self.listener is None:
+            if full:
+                self.floors = {}
+            return
+        unknown, lowered = self.listener.take_lowered()
+        if unknown or now - self.floors_dropped_at >= FLOORS_DROP_EVERY:
+            self.floors, self.floors_dropped_at = {}, now
+            return
+        for part, due in lowered.items():
+            floor = self.floors.get(part)
+            if floor is not None and (due, 0) < floor:
+                self.floors[part] = (due, 0)
 
     def _notices(self, work: Any) -> None:
         """The scanner holding partition 0 (one scanner, with no more coordination)
