@@ -708,7 +708,7 @@ SELECT d.id
 """.format(open=OPEN_KEPT_FOR_SQL)
 
 # Where a scanner's reads of waiting runs start in each partition: after the last run
-# (due time, id) its scans took there (scanners.scan.DueFloors). runs_due_idx_open holds
+# (due time, id) its scans took there (scanners.scan.scan_once's floors). runs_due_idx_open holds
 # the waiting runs and those in flight together (migration runs 0017), the ones in
 # flight due first: without it each read walked every run in flight of its partitions,
 # up to SCHEDULER_MAX_QUEUED, on every probe and scan. None: from the start.

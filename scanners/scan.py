@@ -92,9 +92,10 @@ def scan_once(
     steady stream of due runs has a scanner scanning every few tens of milliseconds,
     and those reads were half of each scan's statements (the soak at 155 runs/s,
     2026-12-02). Work that comes due in between is found by the next scan.
-    `floors` (the scanner's DueFloors, kept across its scans): each partition's due
+    `floors` (the scanner command's, kept across its scans): each partition's due
     read starts after the last run (due time, id) a scan took there, and each batch
-    moves it on; the scanner drops them at each read of the runs in flight. `work`'s
+    moves it on; the scanner command lowers them to each due time notified and drops
+    them when notifications may have been missed (Command._lower_floors). `work`'s
     `queued_count`, when it has one, stands for the back-pressure count.
     `ceilings` (the scanner's wakeups.Ceilings.known, kept across its scans): the
     highest (due time, id) a run in flight of each partition has; each batch raises it
@@ -201,12 +202,12 @@ def scan_once(
 # What an idle scanner asks on each wake, in one statement: the store's clock and,
 # in its partitions, the earliest time of each kind of work a scan does. Each part
 # is an index read: the earliest due run per partition (runs_due_idx_open's runs, read
-# per partition as DUE_IDS_SQL does, stopping at the first waiting one: the runs in
-# flight of the partition come first, being due first), the earliest lease end and the
-# oldest queued run (runs_due_idx_open's runs due by the look-ahead and a second,
-# claims.in_flight_due_bound: every run in flight of the partition, at most
-# SCHEDULER_MAX_QUEUED and those running, among the waiting runs due by then; no index
-# orders them by either time, since neither the queueing nor the claim, which set
+# per partition as DUE_IDS_SQL does, after the partition's floor, stopping at the first
+# waiting one), the earliest lease end and the oldest queued run (runs_due_idx_open's
+# runs due by the look-ahead and a second, claims.in_flight_due_bound, and by the
+# partition's ceiling, wakeups.Ceilings: every run in flight of the partition, at most
+# SCHEDULER_MAX_QUEUED and those running, and the few waiting runs below the ceiling; no
+# index orders them by either time, since neither the queueing nor the claim, which set
 # both, writes an index entry: migration runs 0017), the
 # earliest resume time of a paused job (jobs_paused_until_idx, which holds only jobs
 # with a resume time), and for the scanner of partition 0 the earliest pending
@@ -227,7 +228,7 @@ _EARLIEST_IN_FLIGHT = """(SELECT min(e.t)
 # for it (migration runs 0017).
 _IN_FLIGHT = "r.stage = 'flight' AND r.due_at <= STATEMENT_TIMESTAMP() + %s"
 # The due part starts each partition after the last run the scanner's scans took there
-# (DueFloors; claims.DUE_IDS_SQL reads the same way): the runs in flight, due first in
+# (scan_once's floors; claims.DUE_IDS_SQL reads the same way): the runs in flight, due first in
 # runs_due_idx_open, are behind it.
 _EARLIEST_DUE = """(SELECT min(e.t)
           FROM unnest(%s::integer[], %s::timestamptz[], %s::bigint[]) AS p(part, after_at, after_id)
