@@ -586,10 +586,16 @@ NO_CEILING = (datetime.max.replace(tzinfo=dt_timezone.utc), 2**63 - 1)
 NONE_IN_FLIGHT = (datetime(1, 1, 1, tzinfo=dt_timezone.utc), 0)
 
 
+def _key_arrays(partitions: list[int], keys: "dict[int, tuple[datetime, int]] | None",
+                missing: tuple[datetime, int]) -> list[object]:
+    """The (partition, due_at, id) arrays of a read a partition at a time from a key each."""
+    found = [(keys or {}).get(p, missing) for p in partitions]
+    return [list(partitions), [k[0] for k in found], [k[1] for k in found]]
+
+
 def ceiling_params(partitions: list[int], ceilings: "dict[int, tuple[datetime, int]] | None") -> list[object]:
     """The (partition, up_to_at, up_to_id) arrays of the probe's reads of runs in flight."""
-    found = [(ceilings or {}).get(p, NO_CEILING) for p in partitions]
-    return [list(partitions), [c[0] for c in found], [c[1] for c in found]]
+    return _key_arrays(partitions, ceilings, NO_CEILING)
 
 
 def ceiling_up_to(partitions: list[int], ceilings: "dict[int, tuple[datetime, int]] | None") -> datetime | None:
@@ -712,13 +718,12 @@ SELECT d.id
 # the waiting runs and those in flight together (migration runs 0017), the ones in
 # flight due first: without it each read walked every run in flight of its partitions,
 # up to SCHEDULER_MAX_QUEUED, on every probe and scan. None: from the start.
-NO_FLOOR = (datetime(1, 1, 1, tzinfo=dt_timezone.utc), 0)
+NO_FLOOR = NONE_IN_FLIGHT  # the lowest (due time, id) there is
 
 
 def floor_params(partitions: list[int], after: "dict[int, tuple[datetime, int]] | None") -> list[object]:
     """The (partition, after_at, after_id) arrays of DUE_IDS_SQL and the probe's due part."""
-    floors = [(after or {}).get(p, NO_FLOOR) for p in partitions]
-    return [list(partitions), [f[0] for f in floors], [f[1] for f in floors]]
+    return _key_arrays(partitions, after, NO_FLOOR)
 
 
 def lock_due(*, partitions: list[int], now: datetime, limit: int,
