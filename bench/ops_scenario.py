@@ -154,7 +154,8 @@ def _fill(count: int) -> None:
                 [now, now, now, now, low, high],
             )
             cursor.execute(
-                "INSERT INTO run_events (run_id, at, type, detail) SELECT id, finished_at, status, '{}'::jsonb "
+                "INSERT INTO run_events (run_id, at, scheduled_for, type, detail) "
+                "SELECT id, finished_at, scheduled_for, status, '{}'::jsonb "
                 "FROM runs WHERE id > (SELECT coalesce(max(run_id), 0) FROM run_events) AND finished_at IS NOT NULL"
             )
             print(f"  {high:,} runs ({time.time() - started:.0f} s)", flush=True)

@@ -66,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
                 [per_day, span.start, per_day],
             )
             cursor.execute(
-                f"INSERT INTO run_events (run_id, at, type, detail) SELECT id, finished_at, 'retry_scheduled', '{{}}' "
+                f"INSERT INTO run_events (run_id, at, scheduled_for, type, detail) "
+                f"SELECT id, finished_at, scheduled_for, 'retry_scheduled', '{{}}' "
                 f"FROM {span.name} WHERE id %% %s = 0", [args.events_every],
             )
         load_seconds.append(time.time() - started)

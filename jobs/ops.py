@@ -48,8 +48,11 @@ def trigger_refusal(job: Job) -> str | None:
 def _manual_run_at(job: Job, when: datetime) -> Run | None:
     """The run someone asked for in the second that rounds up to `when` (its
     `triggered` event's time), wherever a clash moved it to."""
+    # A manual run is for the second it was asked in or, moved by a clash, a later
+    # one: no older events partition is read.
     asked = RunEvent.objects.filter(
-        run__job=job, type="triggered", at__gt=when - timedelta(seconds=1), at__lte=when
+        run__job=job, type="triggered", at__gt=when - timedelta(seconds=1), at__lte=when,
+        scheduled_for__gt=when - timedelta(seconds=1),
     ).select_related("run")
     event = asked.order_by("id").first()
     return event.run if event is not None else None
@@ -90,8 +93,8 @@ def job_trigger(
     detail = {"scheduled_for": iso_z(when), "due_at": iso_z(when), "reason": "run now"}
     events.record_many(
         [
-            events.event(run.pk, "scheduled", now, **detail),
-            events.event(run.pk, "triggered", now, by=actor_name(actor)),
+            events.of(run, "scheduled", now, **detail),
+            events.of(run, "triggered", now, by=actor_name(actor)),
         ]
     )
     audit_record(actor=actor, via=via, action="triggered", obj=job, at=now, detail={"run": run.public_id})

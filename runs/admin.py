@@ -209,7 +209,9 @@ class RetriedFilter(admin.SimpleListFilter):
 
 
 def _notified() -> Subquery:
-    dead = RunEvent.objects.filter(run=OuterRef("pk"), type="dead").order_by("-at", "-id")
+    # The run's time too: one events partition probed a row, not each (PostgreSQL).
+    dead = RunEvent.objects.filter(run=OuterRef("pk"), scheduled_for=OuterRef("scheduled_for"),
+                                   type="dead").order_by("-at", "-id")
     return Subquery(dead.values("detail__notified")[:1])
 
 

@@ -278,7 +278,7 @@ def job_next_runs(
 
 def _scheduled_event(run: Run, now: datetime, detail: dict[str, str]) -> events.Event:
     """A new run's `scheduled` event: on its row when the insert put it there."""
-    found = events.event(run.pk, "scheduled", now, scheduled_for=delivery.iso_z(run.scheduled_for),
+    found = events.of(run, "scheduled", now, scheduled_for=delivery.iso_z(run.scheduled_for),
                          due_at=delivery.iso_z(run.due_at), **detail)
     return events.on_row(found) if run.on_row & ON_ROW_SCHEDULED else found
 
@@ -322,7 +322,7 @@ def excluded_times_skip(plans: list[tuple[Job, schedule.NextTime]], now: datetim
     for r in [*created, *reopened]:
         more = untold.get((r.job_id, r.scheduled_for))
         extra = {"excluded_without_row": more} if more else {}
-        found.append(events.event(r.pk, "skipped", now, reason="excluded", **extra))
+        found.append(events.of(r, "skipped", now, reason="excluded", **extra))
     return found
 
 
@@ -421,7 +421,7 @@ def _skip_overlapped(job: Job, plan: OverlapPlan, flight: Flight, now: datetime)
     # Told like any skipped run when the job's notify_on asks (runs.notices, digested).
     notices.notices_add(notices.notice_row(job=job, kind="skipped", run=r, reason=why, now=now) for r in created)
     return [
-        events.event(r.pk, "skipped", now, reason="overlap", policy=job.overlap, in_flight=format_id("run", flight.run_id),
+        events.of(r, "skipped", now, reason="overlap", policy=job.overlap, in_flight=format_id("run", flight.run_id),
                      passed_in_flight=plan.count)
         for r in created
     ]
@@ -964,7 +964,7 @@ def _defer_many(deferrals: list[tuple[Run, datetime, dict[str, object]]], now: d
     with transaction.atomic():
         prior = claims.defer_many(due={run.pk: due_at for run, due_at, _ in deferrals})
         events.record_many(
-            events.event(run.pk, reason, _defer_stamp(now, *prior[run.pk]), due_at=delivery.iso_z(due_at), **detail)
+            events.of(run, reason, _defer_stamp(now, *prior[run.pk]), due_at=delivery.iso_z(due_at), **detail)
             for run, due_at, detail in deferrals
             if run.pk in prior
         )
@@ -1115,7 +1115,7 @@ def _detach(todo: list[tuple[Run, Claim]], jobs: dict[int, Job], now: datetime) 
     for run in detached:
         nxt = created.get(run.job_id)
         then = {"next_run": nxt.public_id, "next_scheduled_for": delivery.iso_z(nxt.scheduled_for)} if nxt else {}
-        found.append(events.event(run.pk, "detached", at[run.pk], policy=Job.Overlap.ALLOW.value, **then))
+        found.append(events.of(run, "detached", at[run.pk], policy=Job.Overlap.ALLOW.value, **then))
     events.record_many(found)
     for run in detached:
         run.detached = True
@@ -1283,10 +1283,10 @@ def _signer_for(job: Job) -> delivery.Signer | None:
 
 def _answered_event(run: Run, claim: Claim, result: CallResult, now: datetime) -> events.Event:
     if result.published is not None:  # a task target's message, accepted by the broker
-        return events.event(run.pk, "published", now, fence=claim.fence, duration_ms=result.duration_ms,
+        return events.of(run, "published", now, fence=claim.fence, duration_ms=result.duration_ms,
                             **result.published)
     answer = {"status": result.status} if result.status is not None else {"error": result.error}
-    return events.event(run.pk, "target_answered", now, fence=claim.fence, duration_ms=result.duration_ms, **answer)
+    return events.of(run, "target_answered", now, fence=claim.fence, duration_ms=result.duration_ms, **answer)
 
 
 def _decide(call: Call, now: datetime) -> tuple[claims.Outcome, str]:
@@ -1400,22 +1400,22 @@ def _record_outcomes(calls: list[Call]) -> dict[int, str]:
             then = {"next_run": nxt.public_id, "next_scheduled_for": delivery.iso_z(nxt.scheduled_for)} if nxt else {}
             if run.pk not in landed:
                 # The lease was taken over: the store refuses this holder's outcome.
-                found.append(events.event(run.pk, "stale_write_rejected", now, fence=claim.fence, worker=claim.worker))
+                found.append(events.of(run, "stale_write_rejected", now, fence=claim.fence, worker=claim.worker))
                 logger.warning("run %s: stale write from fence %s refused", run.public_id, claim.fence)
                 outcomes[run.pk] = "stale_write_rejected"
             elif outcome.status == S.SUCCEEDED:
-                found.append(mark(events.event(run.pk, "succeeded", now, fence=claim.fence, **then)))
+                found.append(mark(events.of(run, "succeeded", now, fence=claim.fence, **then)))
                 outcomes[run.pk] = "succeeded"
             elif outcome.status == S.SCHEDULED:
-                found.append(events.event(run.pk, "retry_scheduled", now, due_at=delivery.iso_z(outcome.due_at),
+                found.append(events.of(run, "retry_scheduled", now, due_at=delivery.iso_z(outcome.due_at),
                                           fence=claim.fence))
                 outcomes[run.pk] = "retry_scheduled"
             elif outcome.status == S.CANCELLED:
-                found.append(events.event(run.pk, "cancelled", now, reason="job deleted", fence=claim.fence))
+                found.append(events.of(run, "cancelled", now, reason="job deleted", fence=claim.fence))
                 outcomes[run.pk] = "cancelled"
             else:
                 told = told or notices.recipients([c.run.job for c in calls])
-                found.append(events.event(run.pk, "dead", now, reason=reason, notified=told[run.job_id],
+                found.append(events.of(run, "dead", now, reason=reason, notified=told[run.job_id],
                                           fence=claim.fence, **then))
                 outcomes[run.pk] = "dead"
                 # The owner is told through the outbox, in this transaction; sent later (runs.notices).

@@ -103,7 +103,8 @@ def merge(rows: list[RunEvent], on_row: list[RunEvent]) -> list[RunEvent]:
 def timeline(run: Run, limit: int | None = None) -> list[RunEvent]:
     """One run's whole timeline, oldest first: what the API's `events` shows.
     `limit`: its first that many entries only (the live view's bound)."""
-    rows = RunEvent.objects.filter(run_id=run.pk).order_by("at", "id")
+    # Its time too: on PostgreSQL the events partition of the run's span alone.
+    rows = RunEvent.objects.filter(run_id=run.pk, scheduled_for=run.scheduled_for).order_by("at", "id")
     found = merge(list(rows if limit is None else rows[:limit]), on_row_entries(run))
     return found if limit is None else found[:limit]
 

@@ -651,8 +651,8 @@ def _set_aside(run: Run, now: datetime, exc: Exception, result: ScanResult) -> N
     job = Job.objects.select_related("owner").get(pk=run.job_id)
     then = _next_after_set_aside(run, job, now)
     events.record_many([
-        events.event(run.pk, "scan_error", now, reason=why),
-        events.event(run.pk, "dead", now, reason=reason, notified=notices.recipient(job), **then),
+        events.of(run, "scan_error", now, reason=why),
+        events.of(run, "dead", now, reason=reason, notified=notices.recipient(job), **then),
     ])
     notices.notice_add(job=job, kind="dead", run=run, reason=reason, now=now)
     transaction.on_commit(lambda pk=run.pk, why=reason: notify_dead(run_id=pk, reason=why))
@@ -714,11 +714,11 @@ def _misfire(run: Run, now: datetime, result: ScanResult) -> bool:
     found: list[events.Event] = [_misfired(run, now, other_missed_times=missed_count)]
     if decision.run_late:
         claims.mark_queued(run_ids=[run.pk], now=now)
-        found.append(events.event(run.pk, "queued", now))
+        found.append(events.of(run, "queued", now))
         result.queued.append(run.pk)
     else:
         Run.objects.filter(pk=run.pk, status=S.SCHEDULED).update(status=S.SKIPPED, finished_at=now)
-        found.append(events.event(run.pk, "skipped", now, reason=f"misfire policy {job.misfire}"))
+        found.append(events.of(run, "skipped", now, reason=f"misfire policy {job.misfire}"))
         notices.notice_add(job=job, kind="skipped", run=run, reason=f"misfire policy {job.misfire}", now=now)
         result.skipped += 1
     events.record_many(found, runs={run.pk: run})
@@ -743,7 +743,7 @@ def _lock_busy(exc: Exception) -> bool:
 def _misfired(run: Run, now: datetime, *, other_missed_times: int) -> events.Event:
     """The `misfired` event every late run's timeline gets, naming the policy."""
     late_by = int((now - run.scheduled_for).total_seconds())
-    return events.event(run.pk, "misfired", now, policy=run.job.misfire, late_by_s=late_by,
+    return events.of(run, "misfired", now, policy=run.job.misfire, late_by_s=late_by,
                         other_missed_times=other_missed_times)
 
 
@@ -774,7 +774,7 @@ def _skip_times(job: Job, times: list[datetime], now: datetime, result: ScanResu
     if created and created[0].pk is None:  # backends without RETURNING on bulk insert
         created = list(Run.objects.filter(job=job, scheduled_for__in=[r.scheduled_for for r in rows]))
     events.record_many(
-        (events.event(r.pk, "skipped", now, reason=reason) for r in created),
+        (events.of(r, "skipped", now, reason=reason) for r in created),
         runs={r.pk: r for r in created},
     )
     notices.notices_add(

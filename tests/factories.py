@@ -85,9 +85,9 @@ def timelines_of(run_ids: Any) -> dict[int, list[Any]]:
 
 
 def drop_time_partitions() -> None:
-    """Drop the runs history's time partitions (runs.partitions; PostgreSQL). They are
-    tables: the flush between tests empties them but keeps them, and a scanner's upkeep
-    in an earlier test may have made some."""
+    """Drop the runs history's time partitions and their events' twins (runs.partitions;
+    PostgreSQL). They are tables: the flush between tests empties them but keeps them,
+    and a scanner's upkeep in an earlier test may have made some."""
     from django.db import connection
 
     from runs import partitions
@@ -97,3 +97,5 @@ def drop_time_partitions() -> None:
     with connection.cursor() as cursor:
         for span in partitions.spans():
             cursor.execute(f"DROP TABLE {connection.ops.quote_name(span.name)}")
+        for span in partitions.spans(partitions.EVENTS):
+            cursor.execute(f"DROP TABLE {connection.ops.quote_name(span.events)}")

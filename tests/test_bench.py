@@ -113,9 +113,28 @@ def test_the_partition_migration_bench_keeps_every_run_and_splits_open_from_ende
                     "--db", "scheduler_test_partition_migration", "--json", str(out)],
                    check=True, cwd=ROOT, timeout=300, capture_output=True)
     found = json.loads(out.read_text())
-    assert found["runs"] == 2000
+    assert found["rows"] == 2000
     assert found["partitions_after_analyze"] == {"runs_history": 1900, "runs_open": 100}
     assert found["reads_tried_during"] >= 2 and found["migrate_s"] > 0
+
+
+def test_the_events_migration_keeps_every_event_under_its_runs_time_in_that_times_partition(tmp_path: Path) -> None:
+    """bench/partition_migration.py --events (migration runs 0019 on a loaded database):
+    the migration keeps every event (the script asserts the count), each under its run's
+    scheduled time and, for an ended run, in the twin of its run's partition (the script
+    asserts none is misplaced); the open runs' events go to their span's twin too."""
+    if not os.environ.get("DATABASE_URL"):
+        pytest.skip("migrates a PostgreSQL database")
+    out = tmp_path / "migration.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "partition_migration.py"), "--events", "--runs", "2000",
+                    "--jobs", "100", "--db", "scheduler_test_events_migration", "--json", str(out)],
+                   check=True, cwd=ROOT, timeout=300, capture_output=True)
+    found = json.loads(out.read_text())
+    assert (found["migration"], found["rows"]) == ("runs 0019", 2000)
+    parts = found["partitions_after_analyze"]
+    assert parts.pop("run_events_default") == 0
+    assert parts and all(name.startswith("run_events_p") for name in parts)
+    assert sum(parts.values()) == 2000
 
 
 def test_the_prune_bench_drops_the_oldest_day_whole_and_times_the_due_query(tmp_path: Path) -> None:

@@ -49,7 +49,8 @@ def many_runs(owner: Any, count: int) -> None:
         )
     runs = Run.objects.bulk_create(rows)
     RunEvent.objects.bulk_create(
-        RunEvent(run=r, at=timezone.now(), type="dead", detail={"notified": "x@example.test"})
+        RunEvent(run=r, at=timezone.now(), scheduled_for=r.scheduled_for, type="dead",
+                 detail={"notified": "x@example.test"})
         for r in runs
         if r.status == S.DEAD
     )

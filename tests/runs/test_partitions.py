@@ -18,7 +18,7 @@ from django.test import override_settings
 from django.utils import timezone
 
 from jobs.models import AuditEntry
-from runs import ops, partitions, retention
+from runs import events, ops, partitions, retention, timeline
 from runs.models import Notice, Run, RunEvent
 from tests.factories import drop_time_partitions, make_job, make_run, utc
 from tests.runs.test_moved_rows import race
@@ -324,3 +324,97 @@ def test_the_worker_read_and_the_queueing_by_id_name_the_open_partition_only() -
             cursor.execute(f"EXPLAIN {sql}")
             plan = "\n".join(row[0] for row in cursor.fetchall())
         assert "runs_open" in plan and not re.search(r"runs_p\d|runs_history", plan), plan
+
+
+def event_tables(run: Run) -> set[str]:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT DISTINCT tableoid::regclass::text FROM run_events WHERE run_id = %s", [run.pk])
+        return {row[0] for row in cursor.fetchall()}
+
+
+def test_a_runs_events_sit_in_its_times_twin_and_a_new_partition_takes_them_out_of_the_default() -> None:
+    """run_events is partitioned by its run's scheduled time (migration runs 0019), with
+    a twin of each partition of the history: a run's events sit beside its ended row."""
+    job = make_job()
+    far = ended(job, utc("2027-03-01T08:00:00Z"), utc("2026-12-06T10:00:00Z"), status=S.CANCELLED)
+    assert event_tables(far) == {"run_events_default"}
+    partitions.make(partitions.span_at(far.scheduled_for))
+    assert [s.name for s in partitions.spans(partitions.EVENTS)] == ["runs_p20270301_0000"]
+    assert event_tables(far) == {"run_events_p20270301_0000"}
+    # Written through runs.events (the run's time read for the batch), it goes there too.
+    events.record(far.pk, "requeue_refused", utc("2026-12-06T10:00:01Z"), reason="test")
+    assert RunEvent.objects.filter(run_id=far.pk).count() == 2 and event_tables(far) == {"run_events_p20270301_0000"}
+    assert set(RunEvent.objects.filter(run_id=far.pk).values_list("scheduled_for", flat=True)) == {far.scheduled_for}
+
+
+def test_a_runs_partition_without_its_events_twin_counts_as_missing_and_the_upkeep_makes_the_twin() -> None:
+    now = utc("2026-12-06T10:00:00Z")
+    partitions.make_ahead(now, 1)
+    with connection.cursor() as cursor:
+        cursor.execute("DROP TABLE run_events_p20261207_0000")
+    assert [s.name for s in partitions.missing(now, 1)] == ["runs_p20261207_0000"]
+    assert [s.name for s in partitions.make_ahead(now, 1)] == ["runs_p20261207_0000"]
+    assert partitions.missing(now, 1) == []
+    assert [s.name for s in partitions.spans(partitions.EVENTS)] == [s.name for s in partitions.spans()]
+
+
+def open_run_with_events(job: Any, when: Any) -> Run:
+    """An open run of an old time (a backfill) with rows on its timeline."""
+    run = make_run(job, when, is_backfill=True, held=True)
+    events.record(run.pk, "held", when + timedelta(seconds=1), reason="job paused")
+    events.record(run.pk, "released", when + timedelta(seconds=2), reason="job resumed")
+    return run
+
+
+def test_prune_drops_the_events_twin_whole_and_keeps_the_events_of_an_open_run_of_that_span() -> None:
+    """Never an open run (CONTRACT.md), nor its timeline: the events of the span's open
+    runs are moved to the default before the twin is dropped."""
+    now = utc("2026-12-06T10:00:00Z")
+    day = partitions.span_at(utc("2026-08-01T00:00:00Z"))
+    partitions.make(day)
+    gone = ended(make_job(), utc("2026-08-01T01:00:00Z"), utc("2026-08-01T01:00:09Z"), events=3)
+    held = open_run_with_events(make_job(), utc("2026-08-01T02:00:00Z"))
+    before = timeline.timeline_types(Run.objects.get(pk=held.pk))
+    assert event_tables(held) == {"run_events_p20260801_0000"} and before == ["held", "released"]
+    assert ops.prune_runs(older_than=timedelta(days=90), now=now, dry_run=True).events == 3
+    result = ops.prune_runs(older_than=timedelta(days=90), now=now)
+    assert result.dropped == (day.name,) and (result.runs, result.events) == (1, 3)
+    assert not RunEvent.objects.filter(run_id=gone.pk).exists()
+    assert partitions.spans(partitions.EVENTS) == [] and event_tables(held) == {"run_events_default"}
+    assert timeline.timeline_types(Run.objects.get(pk=held.pk)) == before
+
+
+def test_an_open_run_written_after_the_drops_read_of_open_runs_keeps_its_events(monkeypatch: Any) -> None:
+    """A backfill of the span's times committed between the read of its open runs and
+    the drop's last lock: found there, by the ids written since the barrier."""
+    day = partitions.span_at(utc("2026-08-01T00:00:00Z"))
+    partitions.make(day)
+    ended(make_job(), utc("2026-08-01T01:00:00Z"), utc("2026-08-01T01:00:09Z"))
+    read, late = partitions._open_runs, []
+
+    def read_then_backfill(span: partitions.Span) -> list[int]:
+        found = read(span)
+        late.append(open_run_with_events(make_job(), utc("2026-08-01T03:00:00Z")))
+        return found
+
+    monkeypatch.setattr(partitions, "_open_runs", read_then_backfill)
+    dropped = partitions.drop_older_than(utc("2026-12-06T10:00:00Z") - timedelta(days=90))
+    assert [d.name for d in dropped] == [day.name] and late
+    assert event_tables(late[0]) == {"run_events_default"}
+    assert {"held", "released"} <= set(timeline.timeline_types(Run.objects.get(pk=late[0].pk)))
+
+
+def test_an_open_run_being_written_when_the_drop_starts_is_waited_for_and_keeps_its_events() -> None:
+    """The barrier: a backfill of the span's times not yet committed when the drop
+    starts (its id below the sequence's value) is waited for, then read."""
+    day = partitions.span_at(utc("2026-08-01T00:00:00Z"))
+    partitions.make(day)
+    ended(make_job(), utc("2026-08-01T01:00:00Z"), utc("2026-08-01T01:00:09Z"))
+    job, late = make_job(), []
+    dropped = race(
+        move=lambda: late.append(open_run_with_events(job, utc("2026-08-01T03:00:00Z"))),
+        write=lambda: partitions.drop_older_than(utc("2026-12-06T10:00:00Z") - timedelta(days=90)),
+    )
+    assert [d.name for d in dropped] == [day.name]
+    assert event_tables(late[0]) == {"run_events_default"}
+    assert {"held", "released"} <= set(timeline.timeline_types(Run.objects.get(pk=late[0].pk)))
