@@ -377,7 +377,8 @@ def drop(span: Span, cutoff: datetime) -> Dropped | None:
             events = cursor.fetchone()[0]
         if runs:
             # A run's notices go with it (the ORM's cascade, here by set); its events
-            # too where the span has no twin (made before migration runs 0019).
+            # too where the span has no twin (one whose making failed, or was dropped
+            # by hand: its events then sit in the default).
             if not twin:
                 cursor.execute(f"DELETE FROM run_events e WHERE {OF_PARTITION.format(table=table)}", [low, high])
                 events = cursor.rowcount
