@@ -129,6 +129,12 @@ class Job(models.Model):
             ),
         ]
         constraints = [
+            # A deleted job never resumes: a resume time it kept would stay in the
+            # scanner's resume read (jobs_paused_until_idx) for ever, ahead of live jobs.
+            models.CheckConstraint(
+                condition=~(models.Q(state="deleted") & models.Q(paused_until__isnull=False)),
+                name="jobs_deleted_no_resume",
+            ),
             # Exactly one of a URL target and a Celery task.
             models.CheckConstraint(
                 condition=(models.Q(target="") & ~models.Q(task="")) | (~models.Q(target="") & models.Q(task="")),

@@ -306,9 +306,11 @@ def job_resume_due(*, job_id: int, now: datetime) -> Job | None:
 @transaction.atomic
 def job_delete(*, job: Job, now: datetime | None = None) -> None:
     """Ends the job: its waiting run is cancelled; history stays readable.
-    A run already running finishes, and no next run follows it."""
+    A run already running finishes, and no next run follows it. A resume time goes
+    with it (the store refuses a deleted job that keeps one: jobs_deleted_no_resume),
+    so the scanner's resume read never meets a deleted job."""
     now = now or timezone.now()
-    Job.objects.filter(pk=job.pk).update(state=Job.State.DELETED, deleted_at=now, updated_at=now)
+    Job.objects.filter(pk=job.pk).update(state=Job.State.DELETED, deleted_at=now, updated_at=now, paused_until=None)
     for run in Run.objects.select_for_update().filter(job=job, status__in=(S.SCHEDULED, S.QUEUED)):
         Run.objects.filter(pk=run.pk).update(status=S.CANCELLED, finished_at=now, queued_at=None)
         events.record(run.pk, "cancelled", now, reason="job deleted")
