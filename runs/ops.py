@@ -355,12 +355,13 @@ def prune_runs(
     else:
         while True:
             with transaction.atomic():
-                ids = list(old.order_by("finished_at").values_list("pk", flat=True)[:batch])
+                # Locked as read (a requeue locks the run before it reopens it, and then
+                # finds it gone); a run someone holds now is left for the next prune.
+                ids = list(old.order_by("finished_at").select_for_update(skip_locked=True)
+                           .values_list("pk", flat=True)[:batch])
                 if not ids:
                     break
                 run_events += RunEvent.objects.filter(run_id__in=ids).delete()[0]
-                # The status is checked again in the DELETE itself: a run cannot be
-                # reopened between the read and here (requeue locks it), but be sure.
                 runs += Run.objects.filter(pk__in=ids, status__in=Run.TERMINAL).delete()[0]
     _prune_rollups(cutoff)
     _analyze_partitioned_runs(dropped=bool(dropped))

@@ -294,8 +294,10 @@ def counted(spans_: list[Span]) -> tuple[int, int]:
     return runs, events
 
 
+# Locked as read: a requeue or a retry (runs.ops) locks the run before it reopens it, so
+# it waits for this transaction, then finds the run gone; a run it holds is skipped.
 DEFAULT_OLD_IDS = """SELECT id FROM runs_history WHERE status = ANY(%s) AND finished_at < %s
-                     ORDER BY finished_at LIMIT %s"""
+                     ORDER BY finished_at LIMIT %s FOR UPDATE SKIP LOCKED"""
 
 
 def prune_default(cutoff: datetime, terminal: list[str], batch: int, *, dry_run: bool = False) -> tuple[int, int]:
@@ -321,8 +323,7 @@ def prune_default(cutoff: datetime, terminal: list[str], batch: int, *, dry_run:
             cursor.execute("DELETE FROM run_events WHERE run_id = ANY(%s)", [ids])
             events += cursor.rowcount
             cursor.execute("DELETE FROM notices WHERE run_id = ANY(%s)", [ids])
-            # The status again in the DELETE itself: a requeue locks the run, so it
-            # cannot reopen it between the read and here, but be sure.
+            # The read locked the runs: nothing reopens them before the DELETE.
             cursor.execute("DELETE FROM runs_history WHERE id = ANY(%s) AND status = ANY(%s)", [ids, terminal])
             runs += cursor.rowcount
 
