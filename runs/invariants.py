@@ -27,11 +27,11 @@ OUTCOME_EVENTS = frozenset({"succeeded", "dead", "retry_scheduled"})
 # Events that move a run from one status to another (a superseded holder's are not among them).
 LIFECYCLE_EVENTS = TERMINAL_EVENTS | {
     "scheduled", "queued", "claimed", "retry_scheduled", "lease_expired", "requeued", "misfired",
-    "bulkhead_wait", "held_by_breaker", "held", "released", "rescheduled",
+    "bulkhead_wait", "service_share_wait", "held_by_breaker", "held", "released", "rescheduled",
 }
 # The store takes a lease back only when it ran out: the scanner's recovery, or a
 # worker putting an expired run back to wait for its target.
-TAKEN_BACK = frozenset({"lease_expired", "bulkhead_wait", "held_by_breaker"})
+TAKEN_BACK = frozenset({"lease_expired", "bulkhead_wait", "service_share_wait", "held_by_breaker"})
 # Two writers can touch one run at once (a scanner recovering it while a worker claims
 # it): each stamps `at` before its statement may wait on the other's row lock, so
 # id order and `at` order can disagree by that wait. Anything more is a bug.

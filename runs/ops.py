@@ -42,7 +42,7 @@ from runs import events
 from runs.claims import again_if_moved
 from runs.delivery import iso_z
 from runs.models import PausedTarget, Run, RunEvent, with_status
-from runs.services import is_held, wake_moved_back
+from runs.services import is_held
 
 S = Run.Status
 READONLY_GROUP = "ops-readonly"
@@ -183,7 +183,6 @@ def _requeue_locked(locked: Run, *, now: datetime, actor: Any, via: str) -> bool
     )
     if changed != 1:
         return False
-    wake_moved_back([locked.pk])
     events.record(
         locked.pk,
         "requeued",
@@ -442,6 +441,7 @@ STATE_AFTER = {
     # A worker put it back before claiming: its target's breaker is open, or its bulkhead full.
     "held_by_breaker": S.SCHEDULED,
     "bulkhead_wait": S.SCHEDULED,
+    "service_share_wait": S.SCHEDULED,  # its service had its share of a worker's calls in flight
 }
 ANSWER_KEYS = ("status", "error", "duration_ms")
 

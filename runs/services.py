@@ -21,17 +21,16 @@ from datetime import timezone as dt_timezone
 from django.conf import settings
 from django.db import DatabaseError, InterfaceError, OperationalError, connection, transaction
 from django.db.models import OuterRef, Subquery
-from django.utils import timezone
 
 from jobs import schedule
 from jobs.models import Job
 from jobs.public_ids import format_id
 from jobs.validators import check_resolved_target, target_key
-from runs import breakers, bulk, bulkhead, claims, delivery, events, notices, publishing, rollups
+from runs import breakers, bulk, bulkhead, claims, delivery, events, flights, notices, publishing, rollups
 from runs.claims import Claim
-from runs.delivery import CallResult
+from runs.delivery import CallResult, _PerProcess
 from runs.models import (
-    JOBS_OPEN_RUN, ON_ROW_ANSWERED, ON_ROW_SCHEDULED, ON_ROW_SUCCEEDED, OPEN_KEPT_FOR, OPEN_KEPT_FOR_SQL, Run,
+    JOBS_OPEN_RUN, ON_ROW_ANSWERED, ON_ROW_SCHEDULED, ON_ROW_SUCCEEDED, OPEN_KEPT_FOR, Run,
     ended_newest_first,
 )
 from runs.signals import job_paused, run_dead
@@ -507,25 +506,6 @@ def _place_after_clash(job: Job, row: Run, now: datetime) -> Run | None:
     return None
 
 
-def wake_moved_back(run_ids: list[int]) -> None:
-    """Wake the scanners of runs just moved back among the open runs (a requeue, a
-    reopen) that are due within the notify horizon, as the store's triggers would
-    (migration runs 0011). On the partitioned store (0015) such an UPDATE moves the row
-    from the history to the open runs' partition, which PostgreSQL carries out as a
-    delete and an insert: the table's row-level UPDATE trigger does not fire for it, nor
-    its INSERT statement trigger (the statement is an UPDATE)."""
-    if connection.vendor != "postgresql" or not run_ids:
-        return
-    from scanners.wakeups import CHANNEL, NOTIFY_HORIZON
-
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT pg_notify(%s, partition::text) FROM runs WHERE id = ANY(%s) AND kept_for = "
-            f"{OPEN_KEPT_FOR_SQL} AND status = 'scheduled' AND NOT held AND due_at < statement_timestamp() + %s",
-            [CHANNEL, list(run_ids), NOTIFY_HORIZON],
-        )
-
-
 def run_reopen(
     *, run: Run, job: Job, now: datetime, held: bool, not_before: datetime | None = None, made_by: int | None = None
 ) -> Run:
@@ -543,73 +523,8 @@ def run_reopen(
         status=S.SCHEDULED, due_at=due_at, held=held, finished_at=None, queued_at=None, is_backfill=False,
         last_error="", on_row_made_by=made_by,
     )
-    wake_moved_back([run.pk])
     run.refresh_from_db()
     return run
-
-
-class Heartbeat:
-    """Keeps the leases (and the bulkhead slots) of a batch's calls alive while they
-    are in flight, from one thread of its own. A batch whose runs are claimed in
-    waves (run_execute_many) adds each wave's calls as they start, and says when
-    the last has been added (`sealed`): until then, having nothing left to keep is
-    no reason to stop."""
-
-    def __init__(self, claims_: list[Claim], lease: timedelta, slots: list[bulkhead.Slot], *,
-                 sealed: bool = True) -> None:
-        self.claims, self.lease, self.slots = list(claims_), lease, list(slots)
-        self.sealed = sealed
-        self.stopped = threading.Event()
-        self.lost: set[int] = set()
-        self.lock = threading.Lock()  # the beat against add()
-        self.thread = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
-
-    def __enter__(self) -> "Heartbeat":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stopped.set()
-        if self.thread.is_alive():
-            self.thread.join(timeout=5)
-
-    def add(self, claims_: list[Claim], slots: list[bulkhead.Slot]) -> None:
-        with self.lock:
-            self.claims += claims_
-            self.slots += slots
-
-    def seal(self) -> None:
-        with self.lock:
-            self.sealed = True
-
-    def _beat(self) -> None:
-        interval = max(0.5, self.lease.total_seconds() / 3)
-        try:
-            while not self.stopped.wait(interval):
-                try:
-                    self._beat_once()
-                except Exception:
-                    # A dropped connection (a database restart, a terminated backend)
-                    # costs one beat, not the lease: the next beat reconnects.
-                    logger.warning("heartbeat for %d runs failed; trying again", len(self.claims), exc_info=True)
-                    connection.close()
-                with self.lock:
-                    if self.sealed and len(self.lost) == len(self.claims) and not self.slots:
-                        return
-        finally:
-            connection.close()
-
-    def _beat_once(self) -> None:
-        with self.lock:
-            now = claims.store_now()  # the leases' clock, not this machine's (docs/reliability.md)
-            for claim in self.claims:
-                if claim.run_id in self.lost:
-                    continue
-                if not claims.heartbeat(run_id=claim.run_id, fence=claim.fence, lease=self.lease):
-                    # Taken over: the call goes on, but its outcome will be refused.
-                    self.lost.add(claim.run_id)
-            # A call still in flight to the host, taken over or not, holds its slot.
-            self.slots = bulkhead.extend_many(self.slots, now=now, lease=self.lease)
 
 
 @dataclass
@@ -710,7 +625,8 @@ def longest_wait() -> float:
 
 
 def run_execute_many(*, run_ids: list[int], worker: str | None = None, sent_at: datetime | None = None,
-                     hand_off: Callable[[Callable[[], None]], bool] | None = None) -> dict[int, str]:
+                     hand_off: Callable[[Callable[[], None]], bool] | None = None,
+                     detach: bool = False) -> dict[int, str]:
     """A batch of runs (one message from the scanner): admit, claim, call the
     targets side by side, record what happened. Returns each run's outcome.
 
@@ -719,12 +635,17 @@ def run_execute_many(*, run_ids: list[int], worker: str | None = None, sent_at: 
     one wave. Admission (the target's breaker, then a bulkhead slot) comes just
     before each wave's claim, so nothing is held while waiting, and a run that may
     not be called yet goes back to `scheduled` without its attempt or fence moving:
-    waiting spends no try, and holds no worker. The claim is one statement a wave;
-    the outcomes and the next runs one statement for the whole batch, after its last
-    call; every write still names its run's fence. `sent_at`: when the message was
-    published (claims.claim_many). `hand_off`: when the batch's first run is not due
-    yet, it is offered the rest of the batch (runs.waiters: a thread that waits instead
-    of the worker child); when it takes it, this returns at once, those runs "waiting".
+    waiting spends no try, and holds no worker. The claim is one statement a wave.
+    Each call's outcome, with its job's next run, is written when that call ends,
+    together with whatever else has ended in this process by then (runs.flights):
+    never held for a slower call of the batch. Every write names its run's fence.
+    `sent_at`: when the message was published (claims.claim_many). `hand_off`: when
+    the batch's first run is not due yet, it is offered the rest of the batch
+    (runs.waiters: a thread that waits instead of the worker child); when it takes it,
+    this returns at once, those runs "waiting". `detach` (a Celery worker on
+    PostgreSQL): once its calls have started, the batch returns, those runs "calling",
+    and the process's writer records their outcomes as they end; a hanging target
+    holds a thread of the call pool, never the worker child.
     """
     worker = worker or default_worker_id()
     outcomes: dict[int, str] = {}
@@ -739,7 +660,8 @@ def run_execute_many(*, run_ids: list[int], worker: str | None = None, sent_at: 
             outcomes[run_id] = "not_claimed"  # ended, held, or someone holds a live lease: drop it
         else:
             candidates.append(run)
-    batch = _Batch(worker=worker, lease=lease_length(), outcomes=outcomes, offset=offset, sent_at=sent_at)
+    batch = _Batch(worker=worker, lease=lease_length(), outcomes=outcomes, offset=offset, sent_at=sent_at,
+                   landed=flights.Landed(outcomes, inline=not detach))
 
     def work() -> None:
         try:
@@ -752,25 +674,57 @@ def run_execute_many(*, run_ids: list[int], worker: str | None = None, sent_at: 
         if hand_off(work):
             return answer
     work()
+    if detach:
+        with batch.landed.cond:
+            return {**dict.fromkeys((run.pk for run in candidates), "calling"), **outcomes}
     return outcomes
+
+
+# Calls in flight one service may have in a worker process (runs.flights): past it, its
+# further runs wait (`service_share_wait`) while other services' are called.
+def service_share() -> int:
+    share = int(getattr(settings, "SCHEDULER_SERVICE_CALLS", 0) or 0)
+    return share if share > 0 else max(1, settings.SCHEDULER_WORKER_CALLS // 2)
+
+
+def _land(group: list[flights.Flight]) -> dict[int, str]:
+    """A group of ended calls (runs.flights): the breakers told, then the outcomes and
+    the next runs in one transaction (run_record_outcomes)."""
+    calls = [f.item[0] for f in group]
+    gates = {f.run_id: f.item[1] for f in group}
+    told = [c for c in calls if c.request is not None or c.message is not None or c.result is not None]
+    for call in told:
+        gates[call.run.pk].called = True
+    _tell_breakers(told, gates, _PROCESS_BREAKERS)
+    return run_record_outcomes(calls)
+
+
+def _release_flights(group: list[flights.Flight]) -> None:
+    _release([f.item[1] for f in group])
+
+
+_FLIGHTS = _PerProcess(lambda: flights.Flights(land=_land, release=_release_flights, lease=lease_length))
+
+
+def process_flights() -> flights.Flights:
+    """This worker process's calls in flight (runs.flights)."""
+    return _FLIGHTS.get()
 
 
 @dataclass
 class _Batch:
     """One message's runs on their way through a worker: admitted, claimed and set
-    calling wave by wave as they come due; their outcomes recorded together at the end."""
+    calling wave by wave as they come due; each outcome recorded as its call ends
+    (runs.flights)."""
 
     worker: str
     lease: timedelta
     outcomes: dict[int, str]
     offset: float  # seconds the store's clock is ahead of this process's
     sent_at: datetime | None = None  # when the message was published (claims.claim_many)
-    gates: dict[int, Gate] = field(default_factory=dict)
+    landed: flights.Landed = field(default_factory=lambda: flights.Landed({}, inline=True))
     breakers: _BreakerView = field(default_factory=lambda: _PROCESS_BREAKERS)
     hosts: set[str] = field(default_factory=set)  # of every run of the batch: one breaker read for all
-    calls: list[Call] = field(default_factory=list)
-    in_flight: list[tuple[Call, Future[CallResult]]] = field(default_factory=list)
-    heartbeat: Heartbeat | None = None
     # The waves' claims counted (runs.rollups), written once their last wave has started
     # (write_started): one statement a batch, not a savepoint and an upsert a wave.
     started: dict[tuple[object, ...], rollups.Tally] = field(default_factory=dict)
@@ -797,6 +751,8 @@ class _Batch:
             if (wave[-1].due_at - now).total_seconds() > longest_wait():
                 break  # these, and every run after them, are not waited for
             waiting = rest
+            if self.landed.inline:
+                process_flights().land_ready(self.landed)  # what has ended lands before the wait
             self.sleep_until(wave[-1].due_at)
             early = self.start(wave, self.store_now(), waiting[0].due_at if waiting else None)
             if early:
@@ -821,12 +777,17 @@ class _Batch:
     def start(self, wave: list[Run], now: datetime, next_due: datetime | None) -> list[Run]:
         """Admit, claim and set calling one wave; returns its runs the claim found not
         due yet. The calls go on while the batch waits for its next wave (`next_due`)."""
+        wave = self._within_share(wave, now)
         gates = _admit(wave, self.worker, self.lease, now, self.outcomes,
                        lambda hosts: self.breakers.not_closed(hosts, self.hosts))
         admitted = [run for run in wave if run.pk in gates]
         if not admitted:
             return []
-        taken, claimed_at = _claim_wave(admitted, self.worker, self.lease, self.sent_at, self.started)
+        try:
+            taken, claimed_at = _claim_wave(admitted, self.worker, self.lease, self.sent_at, self.started)
+        except BaseException:
+            _release(list(gates.values()))
+            raise
         by_id = {c.run_id: c for c in taken}
         early, calls = [], []
         for run in admitted:
@@ -840,44 +801,46 @@ class _Batch:
             run.fence, run.attempt = claim.fence, claim.attempt
             calls.append(Call(run=run, claim=claim))
         _release([gates.pop(run.pk) for run in admitted if run.pk not in by_id])
-        self.gates.update(gates)
-        _prepare(calls)
-        self.calls += calls
-        to_call = [c for c in calls if c.request is not None or c.message is not None]
-        if to_call:
-            self._keep_alive([c.claim for c in to_call], [gates[c.run.pk].slot for c in to_call])
-            until = None if next_due is None else time.monotonic() + (next_due - self.store_now()).total_seconds()
-            self.in_flight += _start_calls(to_call, {c.run.pk: gates[c.run.pk].host for c in to_call}, until)
+        flying = [flights.Flight(run_id=c.run.pk, owner=c.run.job.owner_id, claim=c.claim, slot=gates[c.run.pk].slot,
+                                 item=(c, gates[c.run.pk]), landed=self.landed) for c in calls]
+        pool = process_flights()
+        pool.start(flying)  # from here each lands on its own, whatever happens to the batch
+        try:
+            _prepare(calls)
+        except BaseException:
+            pool.abandon(flying)  # the store's trouble: their leases run out, they are claimed again
+            raise
+        until = None if next_due is None else time.monotonic() + (next_due - self.store_now()).total_seconds()
+        _start_calls(flying, until, in_turn=self.landed.inline)
         return early
 
-    def _keep_alive(self, claims_: list[Claim], slots: list[bulkhead.Slot]) -> None:
-        if self.heartbeat is None:
-            self.heartbeat = Heartbeat(claims_, self.lease, slots, sealed=False).__enter__()
-        else:
-            self.heartbeat.add(claims_, slots)
+    def _within_share(self, wave: list[Run], now: datetime) -> list[Run]:
+        """The wave less the runs of services that already have their share of this
+        process's calls in flight (service_share): those wait a moment, spending no try,
+        while other services' runs are called."""
+        share = service_share()
+        pool = process_flights()
+        room: dict[int | None, int] = {}
+        let, held = [], []
+        for run in wave:
+            owner = run.job.owner_id
+            if owner not in room:
+                room[owner] = share - pool.of_owner(owner)
+            if room[owner] > 0:
+                room[owner] -= 1
+                let.append(run)
+            else:
+                held.append((run, bulkhead.wait_until(now), {"share": share}))
+        if held:
+            self.outcomes.update(_defer_many(held, now, "service_share_wait"))
+        return let
 
     def finish(self) -> None:
-        """The calls in flight to their end, the breakers told, the outcomes recorded
-        (one transaction for the batch); the slots released whatever happens."""
-        try:
-            self.write_started()
-            if self.heartbeat is not None:
-                self.heartbeat.seal()
-            _finish_calls(self.in_flight, {call.run.pk: self.gates[call.run.pk].host for call, _ in self.in_flight})
-            if self.heartbeat is not None:
-                self.heartbeat.__exit__()
-            calls = self.calls
-            to_call = [c for c in calls if c.request is not None or c.message is not None]
-            # Failed before any call was made (e.g. a DNS failure): told to the breaker too.
-            failed_early = [c for c in calls if c.request is None and c.message is None and c.result is not None]
-            for call in to_call + failed_early:
-                self.gates[call.run.pk].called = True
-            _tell_breakers(to_call + failed_early, self.gates, self.breakers)
-            self.outcomes.update(run_record_outcomes(calls))
-        finally:
-            if self.heartbeat is not None:
-                self.heartbeat.__exit__()
-            _release(list(self.gates.values()))
+        """The claim counts written; inline, each outcome written as its call ends, until
+        the last (detached, the process's writer does that: runs.flights)."""
+        self.write_started()
+        if self.landed.inline:
+            process_flights().land_all(self.landed)
 
 
 def _next_wave(waiting: list[Run], now: datetime) -> tuple[list[Run], list[Run]]:
@@ -1203,30 +1166,48 @@ QUICK_MS = 20.0  # a host this quick is called in turn: a thread hand-off costs 
 IN_TURN_FOR = 0.1  # seconds: the longest a batch calls in turn before the rest go side by side
 
 
-def _start_calls(
-    calls: list[Call], hosts: dict[int, str], until: float | None = None
-) -> list[tuple[Call, Future[CallResult]]]:
-    """The calls of a wave: for a host that has been answering within QUICK_MS, one
-    after another on this thread, for at most IN_TURN_FOR seconds (or until one is
-    slow, or `until`, monotonic: when the batch's next wave is due); the rest side by
-    side on the worker process's call pool. Returns those still in flight. The last
-    call of a batch's last wave is made on this thread too: a hand-off would only wait."""
-    rest = list(calls)
-    stop = time.monotonic() + IN_TURN_FOR if until is None else min(time.monotonic() + IN_TURN_FOR, until)
-    while rest and (
-        (len(rest) == 1 and until is None)
-        or (_recent_ms.get(hosts[rest[0].run.pk], 1e9) <= QUICK_MS and time.monotonic() < stop)
-    ):
-        call = rest.pop(0)
-        call.result = _call_one(call)
-        _note_duration(hosts[call.run.pk], call.result)
-    return [(c, delivery.call_pool().submit(_call_one, c)) for c in rest]
+def _start_calls(flying: list[flights.Flight], until: float | None = None, *, in_turn: bool = True) -> None:
+    """The calls of a wave, each handed on (runs.flights) as soon as it has ended. A call
+    refused, or failed before it was made, has ended already. `in_turn` (the inline
+    path): for a host that has been answering within QUICK_MS, one after another on
+    this thread, for at most IN_TURN_FOR seconds (or until one is slow, or `until`,
+    monotonic: when the batch's next wave is due), and the last call of a batch's last
+    wave too (a hand-off would only wait); the rest side by side on the worker
+    process's call pool. Detached, every call goes to the pool: this thread makes none,
+    so no target, however slow, holds it."""
+    pool = process_flights()
+    rest = []
+    for flight in flying:
+        call = flight.item[0]
+        if call.request is None and call.message is None:
+            pool.ended(flight)
+        else:
+            rest.append(flight)
+    if in_turn:
+        stop = time.monotonic() + IN_TURN_FOR if until is None else min(time.monotonic() + IN_TURN_FOR, until)
+        while rest and (
+            (len(rest) == 1 and until is None)
+            or (_recent_ms.get(rest[0].item[1].host, 1e9) <= QUICK_MS and time.monotonic() < stop)
+        ):
+            flight = rest.pop(0)
+            call = flight.item[0]
+            call.result = _call_one(call)
+            _note_duration(flight.item[1].host, call.result)
+            pool.ended(flight)
+    for flight in rest:
+        delivery.call_pool().submit(_call_one, flight.item[0]).add_done_callback(
+            lambda future, flight=flight: _call_ended(flight, future))
 
 
-def _finish_calls(in_flight: list[tuple[Call, Future[CallResult]]], hosts: dict[int, str]) -> None:
-    for call, future in in_flight:
+def _call_ended(flight: flights.Flight, future: Future[CallResult]) -> None:
+    """A call on the pool has ended (on the pool's thread): on to its outcome."""
+    call = flight.item[0]
+    try:
         call.result = future.result()
-        _note_duration(hosts[call.run.pk], call.result)
+    except BaseException:  # noqa: BLE001 - _call_one returns failures; anything else is one too
+        call.result = CallResult(error=delivery.REQUEST_FAILED)
+    _note_duration(flight.item[1].host, call.result)
+    process_flights().ended(flight)
 
 
 def _call_one(call: Call) -> CallResult:

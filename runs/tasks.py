@@ -7,7 +7,7 @@ from collections.abc import Callable
 from datetime import datetime
 
 from celery import Task, shared_task
-from django.db import InterfaceError, OperationalError
+from django.db import InterfaceError, OperationalError, connection
 
 from runs import storegate, waiters
 from runs.services import run_execute_many
@@ -48,10 +48,18 @@ def execute_runs(self: Task, run_ids: list[int], handbacks: int = 0, sent_at: st
 
     try:
         return run_execute_many(run_ids=ids, worker=_worker(self), sent_at=sent,
-                                hand_off=None if self.request.is_eager else hand_off)
+                                hand_off=None if self.request.is_eager else hand_off,
+                                detach=_detached(self))
     except (OperationalError, InterfaceError):
         store_trouble()
         raise
+
+
+def _detached(task: Task) -> bool:
+    """A worker on PostgreSQL goes back for its next message once a batch's calls have
+    started (runs.flights); an eager call, or the embedded SQLite file's one writer,
+    writes the outcomes itself as the calls end."""
+    return not task.request.is_eager and connection.vendor == "postgresql"
 
 
 def _sent_at(value: str | None) -> datetime | None:
@@ -68,7 +76,7 @@ def _sent_at(value: str | None) -> datetime | None:
 @shared_task(bind=True, name="runs.execute_run", ignore_result=True)
 def execute_run(self: Task, run_id: int) -> str:
     """One run: messages published before batches existed still run."""
-    return run_execute_many(run_ids=[int(run_id)], worker=_worker(self))[int(run_id)]
+    return run_execute_many(run_ids=[int(run_id)], worker=_worker(self), detach=_detached(self))[int(run_id)]
 
 
 @shared_task(name="runs.send_notices", ignore_result=True)

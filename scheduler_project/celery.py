@@ -64,10 +64,12 @@ from celery.signals import worker_process_shutdown  # noqa: E402
 @worker_process_shutdown.connect
 def _let_waiters_finish(**_: object) -> None:
     from runs import waiters
-    from runs.services import longest_wait
+    from runs.services import longest_wait, process_flights
 
     if waiters.drain(timeout=longest_wait() + 60):
         waiters.close_connections()
+    # Then the calls still in flight land (runs.flights): each within its own timeout.
+    process_flights().drain(timeout=60)
 
 
 # A worker child is one interpreter running many threads: waiter threads that must

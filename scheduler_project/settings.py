@@ -476,6 +476,12 @@ SCHEDULER_DISPATCH_BATCH = env_int("SCHEDULER_DISPATCH_BATCH", 200)
 # as needed). As many as a batch holds, so that a batch to a slow host goes out in
 # one round, not in several (docs/performance.md: 100 ms calls).
 SCHEDULER_WORKER_CALLS = env_int("SCHEDULER_WORKER_CALLS", SCHEDULER_DISPATCH_BATCH)
+# Calls one service may have in flight in one worker process (runs.flights): past it,
+# that service's further runs wait a moment (`service_share_wait`, no try spent) while
+# other services' runs are called. 0: half of SCHEDULER_WORKER_CALLS.
+SCHEDULER_SERVICE_CALLS = env_int("SCHEDULER_SERVICE_CALLS", 0)
+if SCHEDULER_SERVICE_CALLS < 0:
+    raise ImproperlyConfigured(f"SCHEDULER_SERVICE_CALLS must be 0 or more, not {SCHEDULER_SERVICE_CALLS}")
 # Threads a worker process gives the run messages that must wait for their due times
 # (the look-ahead), so that the process takes its next message meanwhile
 # (runs.waiters). Each has its own database connection. 0: the process waits itself;
