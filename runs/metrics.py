@@ -442,6 +442,10 @@ def render_metrics(now: datetime | None = None) -> str:
     ):
         metric = f"scheduler_runs_{key}" if key != "queued" else "scheduler_queue_depth"
         out += _header(metric, "gauge", text) + [_line(metric, getattr(queue, key))]
+    name = "scheduler_runs_found_by_floor_drop_total"
+    found = sum(int(row["n"] or 0) for row in totals if row["kind"] == rollups.FLOOR_DROP_FOUND)
+    out += _header(name, "counter", "Waiting runs a scanner found only at its periodic floor drop: "
+                                    "above 0, a wake-up is missing.") + [_line(name, found)]
     out += _target_lines(now)
     out += _notice_lines()
     out += _scanner_lines()

@@ -159,6 +159,18 @@ def add(found: Mapping[tuple[Any, ...], Tally]) -> None:
         logger.warning("run rollups: %d counter rows not written", len(found), exc_info=True)
 
 
+# Runs a scanner found only when it dropped its floors on its periodic timer: each one
+# a run that turned waiting behind a floor with no wake-up from the store (a missing
+# trigger, or a row a scan's lock stepped over). /metrics shows the total.
+FLOOR_DROP_FOUND = "floor_drop_found"
+
+
+def add_count(kind: str, n: int) -> None:
+    """A counter of the scheduler's own (not a run event's), in its all-time row."""
+    if n > 0:
+        add({(TOTAL_MINUTE, kind, "", "", 0, os.getpid() % SHARDS): Tally(n=n)})
+
+
 def merge(into: dict[tuple[Any, ...], Tally], found: Mapping[tuple[Any, ...], Tally]) -> None:
     """Add `found`'s counters to `into`'s (a batch's claims, written together: add)."""
     for key, more in found.items():

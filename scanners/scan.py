@@ -40,6 +40,12 @@ class ScanResult:
     republished: list[int] = field(default_factory=list)
     set_aside: list[int] = field(default_factory=list)  # runs the scan could not handle: now dead (scan_error)
     resumed: list[int] = field(default_factory=list)  # paused jobs whose paused_until came: resumed
+    # Each waiting run the scan's reads took (queued, misfired or set aside), by where
+    # it stood: (partition, due_at, id), as the floors compare them.
+    taken: list[tuple[int, datetime, int]] = field(default_factory=list)
+    # Late runs left as they were, their job locked by an edit: the next scan looks
+    # again, so the floors stay below them.
+    left: list[int] = field(default_factory=list)
 
     @property
     def to_publish(self) -> list[int]:
@@ -51,6 +57,7 @@ class ScanResult:
         self.misfired += other.misfired
         self.skipped += other.skipped
         self.set_aside += other.set_aside
+        self.left += other.left
 
 
 # Runs a scan may publish again while its partitions' queue is at SCHEDULER_MAX_QUEUED.
@@ -117,9 +124,13 @@ def scan_once(
     def is_due(at: datetime | None, after: timedelta = timedelta(0)) -> bool:
         return work is None or (at is not None and at + after <= now)
 
-    # First, so that a resumed job's released run is due in this very scan.
+    # First, so that a resumed job's released run is due in this very scan: the floor
+    # of each resumed job's partition goes, since its released run may be behind it.
     if is_due(work and work.resume):
         _resume_due_jobs(parts, now, batch, result)
+        if floors is not None:
+            for job_id in result.resumed:
+                floors.pop(job_id % settings.SCHEDULER_PARTITIONS, None)
     up_to = claims.ceiling_up_to(parts, ceilings)
     if is_due(work and work.lease):
         with transaction.atomic():
@@ -175,9 +186,17 @@ def scan_once(
         except _LeaseLost:
             return result  # the batch's writes undone: the partitions' new scanner decides
         result.add(mine)
+        as_it_was = set(mine.left)
+        result.taken += [(run.partition, run.due_at, run.pk) for run in due if run.pk not in as_it_was]
         if floors is not None:
-            for run in due:  # queued, misfired or set aside: none of them waits any more
-                floors[run.partition] = max(floors.get(run.partition, claims.NO_FLOOR), (run.due_at, run.pk))
+            # Queued, misfired or set aside: none of them waits any more. A run left as it
+            # was still waits: its partition's floor stays below it (`due` is in floor order).
+            stopped: set[int] = set()
+            for run in due:
+                if run.pk in as_it_was:
+                    stopped.add(run.partition)
+                elif run.partition not in stopped:
+                    floors[run.partition] = max(floors.get(run.partition, claims.NO_FLOOR), (run.due_at, run.pk))
         if publish and queued:
             publish_runs([run.pk for run in queued], hosts={run.pk: _host(run.job) for run in queued},
                          due={} if behind else {run.pk: run.due_at for run in queued}, now=at)
@@ -579,8 +598,9 @@ def _handle_late(run: Run, now: datetime, result: ScanResult) -> bool:
     except _STORE_ERRORS as exc:
         if _lock_busy(exc):
             # Someone is changing the job (an edit, a pause): its writes decide what
-            # happens to this run, and the next scan looks again.
+            # happens to this run, and the next scan looks again (below the floor).
             logger.info("run %s: its job is being changed; next scan", run.public_id)
+            result.left.append(run.pk)
             return False
         raise
     except Exception as exc:  # noqa: BLE001 - one row's failure, whatever it is

@@ -12,6 +12,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandParser
 from django.db import connection
 
+from runs import rollups
 from runs.retention import every as upkeep_every
 from runs.tasks import keep_run_partitions, send_notices
 from scanners.coordination import PartitionLeases, make_leases
@@ -70,6 +71,7 @@ class Command(BaseCommand):
         # Where each partition's reads of runs in flight stop (scanners.wakeups.Ceilings).
         self.ceilings = Ceilings()
         self.floors_dropped_at = 0.0  # time.monotonic() of the last drop of every floor
+        self.dropped: dict[int, tuple[Any, int]] = {}  # the floors the timer dropped, until the next scan
         self.vacuum = OpenRunsVacuum.for_scanner(settings.SCHEDULER_OPEN_RUNS_VACUUM_AFTER, leases.identifier)
         self.owned: frozenset[int] = frozenset()
         self.upkeep_at = 0.0  # time.monotonic() of the next history upkeep (partition 0's scanner)
@@ -154,6 +156,7 @@ class Command(BaseCommand):
             self.rescan = True
             return min(self.pacer.longest, RETRY_AFTER_ERROR)
         self.rescan = False
+        self._count_found_by_drop(result)
         self.pacer.scanned(work, result)
         self.flight.scanned(work, result)
         self.vacuum.counted(len(result.queued) + len(result.republished), owned, settings.SCHEDULER_PARTITIONS)
@@ -176,12 +179,29 @@ class Command(BaseCommand):
             return
         unknown, lowered = self.listener.take_lowered()
         if unknown or now - self.floors_dropped_at >= FLOORS_DROP_EVERY:
+            # On the timer alone, the next scan counts what it finds behind the floors
+            # dropped (_count_found_by_drop): runs nothing woke it for.
+            self.dropped = {} if unknown else dict(self.floors)
             self.floors, self.floors_dropped_at = {}, now
+            for part, due in lowered.items():  # notified: not the drop's finds
+                if part in self.dropped and (due, 0) < self.dropped[part]:
+                    self.dropped[part] = (due, 0)
             return
         for part, due in lowered.items():
             floor = self.floors.get(part)
             if floor is not None and (due, 0) < floor:
                 self.floors[part] = (due, 0)
+
+    def _count_found_by_drop(self, result: ScanResult) -> None:
+        """The runs the scan after a timed floor drop took from behind the floors it
+        dropped: waiting runs that nothing woke the scanner for (/metrics:
+        scheduler_runs_found_by_floor_drop_total; a missing wake-up shows there)."""
+        dropped, self.dropped = getattr(self, "dropped", {}), {}
+        found = [(p, d, i) for p, d, i in result.taken if p in dropped and (d, i) < dropped[p]]
+        if found:
+            logger.warning("%d waiting runs found only by the periodic floor drop (runs %s)", len(found),
+                           ", ".join(str(i) for _, _, i in found[:10]))
+            rollups.add_count(rollups.FLOOR_DROP_FOUND, len(found))
 
     def _notices(self, work: Any) -> None:
         """The scanner holding partition 0 (one scanner, with no more coordination)
