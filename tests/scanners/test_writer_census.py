@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from datetime import datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -346,7 +346,6 @@ def test_the_next_scan_takes_the_run_each_path_makes_waiting_behind_the_floor(sc
 def test_without_the_move_back_trigger_the_census_finds_the_requeued_run_missed(scanner: Scanner) -> None:
     """The census can fail: with migration runs 0020's trigger gone, a requeued dead run
     behind the floor is not taken by the next scan (the trigger is put back after)."""
-    from runs.migrations import __path__ as migrations_path  # noqa: F401 - the module below is loaded by name
     from importlib import import_module
 
     trigger = import_module("runs.migrations.0020_wake_moved_back")
