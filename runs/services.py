@@ -297,12 +297,15 @@ def excluded_times_skip(plans: list[tuple[Job, schedule.NextTime]], now: datetim
         zone = schedule.get_zone(job.timezone)
         for t in plan.excluded:
             why = f"{EXCLUDED_PREFIX} {t.astimezone(zone).date().isoformat()} is one of the job's excluded dates"
+            # Written ahead of its time, it ends at its time: retention counts from there,
+            # never from the write (a yearly job's row would go before its date came).
+            ends = max(now, t)
             if t not in taken:
                 rows.append(Run(job=job, scheduled_for=t, due_at=t, partition=job.partition, status=S.SKIPPED,
-                                finished_at=now, last_error=why))
+                                finished_at=ends, last_error=why))
             elif taken[t].status == S.CANCELLED and not taken[t].is_backfill:
                 # An edit's cancelled row at this time: it is this time's row again.
-                Run.objects.filter(pk=taken[t].pk).update(status=S.SKIPPED, finished_at=now, last_error=why)
+                Run.objects.filter(pk=taken[t].pk).update(status=S.SKIPPED, finished_at=ends, last_error=why)
                 reopened.append(taken[t])
         if plan.excluded_count > len(plan.excluded):
             untold[(job.pk, plan.excluded[-1])] = plan.excluded_count - len(plan.excluded)

@@ -94,3 +94,25 @@ def test_a_dead_run_retried_while_the_prune_runs_keeps_its_whole_timeline_or_is_
         # The retry took it first: reopened, with its whole timeline.
         assert found.status == S.SCHEDULED
         assert types == ["dead", "requeued"], types
+
+
+@pytest.mark.parametrize("whole_partitions_only", [True, False], ids=["upkeep", "command"])
+def test_an_excluded_times_skipped_row_written_ahead_outlives_retention_until_its_time_has_come(
+    whole_partitions_only: bool,
+) -> None:
+    """A yearly job's excluded date gets its `skipped` row when the plan passes over it,
+    weeks or months ahead. Its retention counts from its time, not from the write."""
+    from jobs.services import job_create
+    from tests.factories import utc
+
+    now = utc("2026-12-07T10:00:00Z")
+    owner = make_job().owner
+    job = job_create(owner=owner, fields={"name": "new year", "schedule": "0 3 1 1 *", "target": "http://127.0.0.1:9/",
+                                          "exclude": ["2027-01-01"]}, now=now)
+    [skipped] = Run.objects.filter(job=job, status=S.SKIPPED)
+    assert skipped.scheduled_for == utc("2027-01-01T03:00:00Z")
+
+    ops.prune_runs(older_than=timedelta(days=1), now=now + timedelta(days=3), whole_partitions_only=whole_partitions_only)
+    assert Run.objects.filter(pk=skipped.pk).exists()
+    ops.prune_runs(older_than=timedelta(days=1), now=utc("2027-01-03T04:00:00Z"), whole_partitions_only=False)
+    assert not Run.objects.filter(pk=skipped.pk).exists()
