@@ -128,6 +128,22 @@ def read_periodic_tasks(alias: str) -> list[Any]:
         raise ValueError(f"cannot read django-celery-beat's periodic tasks: {str(exc).splitlines()[0]}") from exc
 
 
+def read_crontabs_in(tasks: Iterable[Any], zone: str) -> None:
+    """Every crontab read in `zone`, whatever its own `timezone` says, in memory only (the
+    source is not written): a project that ran beat with DJANGO_CELERY_BEAT_TZ_AWARE=False
+    had its crontabs run in Celery's time zone, and their `timezone` field was never
+    read. ValueError for a zone that is not an IANA name."""
+    from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+    try:
+        found = ZoneInfo(zone)
+    except (ZoneInfoNotFoundError, ValueError) as exc:
+        raise ValueError(f"--crontab-timezone: {zone!r} is not a known IANA time zone") from exc
+    for task in tasks:
+        if task.crontab_id:
+            task.crontab.timezone = found
+
+
 # --------------------------------------------------------------------------- celery's side
 
 

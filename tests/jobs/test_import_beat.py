@@ -480,3 +480,27 @@ def test_a_bad_database_url_is_a_one_line_error(owner: Any) -> None:
         run_command("--database", "nonsense://")
     with pytest.raises(CommandError, match="cannot connect to --database"):
         run_command("--database", "postgres://postgres@127.0.0.1:1/nothing")
+
+
+@pytest.mark.embedded
+def test_crontab_timezone_reads_every_crontab_in_celerys_zone_for_a_project_without_tz_aware_beat(
+    owner: Any,
+) -> None:
+    """With DJANGO_CELERY_BEAT_TZ_AWARE=False beat ran crontabs in Celery's zone, never
+    reading their `timezone` field (stored as UTC by default): `--crontab-timezone`
+    says which zone that was, for every crontab."""
+    utc_field = CrontabSchedule.objects.create(minute="30", hour="9", timezone="UTC")
+    PeriodicTask.objects.create(name="morning", task="app.tasks.morning", crontab=utc_field)
+
+    out = run_command("--crontab-timezone", "Asia/Kolkata", "--dry-run")
+    assert "cron 30 9 * * * Asia/Kolkata" in out and "crontab 30 9 * * * Asia/Kolkata" in out, out
+    assert "T04:00:00Z, " in out  # beat next and job next: 09:30 in Kolkata
+    run_command("--crontab-timezone", "Asia/Kolkata")
+    job = Job.objects.get(name="morning")
+    assert (job.schedule, job.timezone) == ("30 9 * * *", "Asia/Kolkata")
+    assert CrontabSchedule.objects.get(pk=utc_field.pk).timezone.key == "UTC"  # the source is not written
+
+
+def test_crontab_timezone_refuses_an_unknown_zone_in_one_line(owner: Any) -> None:
+    with pytest.raises(CommandError, match="--crontab-timezone: 'Mars/Olympus' is not a known IANA time zone"):
+        run_command("--crontab-timezone", "Mars/Olympus")

@@ -26,15 +26,22 @@ class Command(BaseCommand):
         )
         parser.add_argument("--dry-run", action="store_true", help="print the table, create nothing")
         parser.add_argument(
+            "--crontab-timezone", metavar="ZONE",
+            help="read every crontab in ZONE, not its own timezone field: for a project that ran beat with "
+                 "DJANGO_CELERY_BEAT_TZ_AWARE=False (its crontabs ran in Celery's time zone, ZONE)",
+        )
+        parser.add_argument(
             "--disable-source", action="store_true", help="switch the imported periodic tasks off in beat's tables"
         )
 
     def handle(self, *args: Any, owner: str, database: str | None, dry_run: bool, disable_source: bool,
-               **options: Any) -> None:
+               crontab_timezone: str | None = None, **options: Any) -> None:
         service = _service(owner)
         try:
             alias = beat_import.source_alias(database)
             tasks = beat_import.read_periodic_tasks(alias)
+            if crontab_timezone:
+                beat_import.read_crontabs_in(tasks, crontab_timezone)
         except ValueError as exc:
             raise CommandError(str(exc)) from exc
         try:
