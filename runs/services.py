@@ -757,7 +757,7 @@ class _Batch:
             if self.landed.inline:
                 process_flights().land_ready(self.landed)  # what has ended lands before the wait
             self.sleep_until(wave[-1].due_at)
-            early = self.start(wave, self.store_now(), waiting[0].due_at if waiting else None)
+            early = self.start(wave, self.store_now())
             if early:
                 # Refused as not due yet by the store's clock: this process's idea of it
                 # was off. Read it again, and wait by that read for these runs.
@@ -777,9 +777,9 @@ class _Batch:
         if gap > 0:
             time.sleep(gap)
 
-    def start(self, wave: list[Run], now: datetime, next_due: datetime | None) -> list[Run]:
+    def start(self, wave: list[Run], now: datetime) -> list[Run]:
         """Admit, claim and set calling one wave; returns its runs the claim found not
-        due yet. The calls go on while the batch waits for its next wave (`next_due`)."""
+        due yet. The calls go on while the batch waits for its next wave."""
         wave = self._within_share(wave, now)
         gates = _admit(wave, self.worker, self.lease, now, self.outcomes,
                        lambda hosts: self.breakers.not_closed(hosts, self.hosts))
@@ -813,8 +813,7 @@ class _Batch:
         except BaseException:
             pool.abandon(flying)  # the store's trouble: their leases run out, they are claimed again
             raise
-        until = None if next_due is None else time.monotonic() + (next_due - self.store_now()).total_seconds()
-        _start_calls(flying, until, in_turn=self.landed.inline)
+        _start_calls(flying)
         return early
 
     def _within_share(self, wave: list[Run], now: datetime) -> list[Run]:
@@ -1163,42 +1162,19 @@ def _prepare_one(call: Call, resolved: dict[str, _Resolved], signers: dict[int, 
     )
 
 
-# How long recent calls to each host took (ms, a moving average, this process).
-_recent_ms: dict[str, float] = {}
-QUICK_MS = 20.0  # a host this quick is called in turn: a thread hand-off costs more than it saves
-IN_TURN_FOR = 0.1  # seconds: the longest a batch calls in turn before the rest go side by side
-
-
-def _start_calls(flying: list[flights.Flight], until: float | None = None, *, in_turn: bool = True) -> None:
-    """The calls of a wave, each handed on (runs.flights) as soon as it has ended. A call
-    refused, or failed before it was made, has ended already. `in_turn` (the inline
-    path): for a host that has been answering within QUICK_MS, one after another on
-    this thread, for at most IN_TURN_FOR seconds (or until one is slow, or `until`,
-    monotonic: when the batch's next wave is due), and the last call of a batch's last
-    wave too (a hand-off would only wait); the rest side by side on the worker
-    process's call pool. Detached, every call goes to the pool: this thread makes none,
-    so no target, however slow, holds it."""
+def _start_calls(flying: list[flights.Flight]) -> None:
+    """The calls of a wave, side by side on the worker process's call pool, each handed
+    on (runs.flights) as soon as it has ended; a call refused, or failed before it was
+    made, has ended already. The batch's thread makes none itself: no target, however
+    slow, holds it, nor an outcome of a call that ended before it (a host's endpoints
+    differ: one quick answer says nothing of the next)."""
     pool = process_flights()
-    rest = []
     for flight in flying:
         call = flight.item[0]
         if call.request is None and call.message is None:
             pool.ended(flight)
-        else:
-            rest.append(flight)
-    if in_turn:
-        stop = time.monotonic() + IN_TURN_FOR if until is None else min(time.monotonic() + IN_TURN_FOR, until)
-        while rest and (
-            (len(rest) == 1 and until is None)
-            or (_recent_ms.get(rest[0].item[1].host, 1e9) <= QUICK_MS and time.monotonic() < stop)
-        ):
-            flight = rest.pop(0)
-            call = flight.item[0]
-            call.result = _call_one(call)
-            _note_duration(flight.item[1].host, call.result)
-            pool.ended(flight)
-    for flight in rest:
-        delivery.call_pool().submit(_call_one, flight.item[0]).add_done_callback(
+            continue
+        delivery.call_pool().submit(_call_one, call).add_done_callback(
             lambda future, flight=flight: _call_ended(flight, future))
 
 
@@ -1209,7 +1185,6 @@ def _call_ended(flight: flights.Flight, future: Future[CallResult]) -> None:
         call.result = future.result()
     except BaseException:  # noqa: BLE001 - _call_one returns failures; anything else is one too
         call.result = CallResult(error=delivery.REQUEST_FAILED)
-    _note_duration(flight.item[1].host, call.result)
     process_flights().ended(flight)
 
 
@@ -1224,12 +1199,6 @@ def _call_one(call: Call) -> CallResult:
     except Exception as exc:
         logger.warning("run %s: its call raised %s", call.run.public_id, type(exc).__name__)
         return CallResult(error=delivery.REQUEST_FAILED)
-
-
-def _note_duration(host: str, result: CallResult) -> None:
-    before = _recent_ms.get(host)
-    took = float(result.duration_ms) if result.status is not None or result.published else 1e6
-    _recent_ms[host] = took if before is None else 0.8 * before + 0.2 * took
 
 
 def _tell_breakers(calls: list[Call], gates: dict[int, Gate], view: _BreakerView | None = None) -> None:
@@ -1429,7 +1398,7 @@ RAN = (S.SUCCEEDED, S.DEAD)
 def _pause_after_failures(jobs: list[Job], now: datetime) -> None:
     """A job one of whose normal runs has just gone dead pauses itself when its
     `pause_after_failures` most recent runs that ran (RAN, newest scheduled_for first)
-    all ended dead: as job_pause, with an audit entry `paused` (actor: the
+    all ended dead, and no later run of it has started without ending: as job_pause, with an audit entry `paused` (actor: the
     scheduler) and its owner told after commit (notify_paused). The jobs are locked
     by the outcome write and read under that lock."""
     from jobs.audit import audit_record
@@ -1439,8 +1408,16 @@ def _pause_after_failures(jobs: list[Job], now: datetime) -> None:
         limit = job.pause_after_failures
         if limit <= 0 or job.paused or job.state != Job.State.ACTIVE or not job.is_recurring:
             continue
-        latest = list(ended_newest_first(RAN, job_id=job.pk, is_backfill=False).values_list("status", flat=True)[:limit])
-        if len(latest) < limit or any(status != S.DEAD for status in latest):
+        latest = list(ended_newest_first(RAN, job_id=job.pk, is_backfill=False)
+                      .values_list("status", "scheduled_for")[:limit])
+        if len(latest) < limit or any(status != S.DEAD for status, _ in latest):
+            continue
+        # A later run of the job that has started and not ended (in flight under overlap
+        # allow, or waiting for a retry) is one of its latest too: the row is not all
+        # dead until it ends, dead. Each outcome lands at its own answer (runs.flights),
+        # so without this the order in which a batch's calls end would decide.
+        if Run.objects.filter(job_id=job.pk, is_backfill=False, kept_for=OPEN_KEPT_FOR, started_at__isnull=False,
+                              scheduled_for__gt=latest[-1][1]).exists():
             continue
         reason = f"its last {limit} runs ended dead (pause_after_failures={limit})"
         job_pause(job=job, now=now)
