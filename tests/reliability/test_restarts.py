@@ -86,17 +86,17 @@ def test_a_worker_holding_prefetched_messages_survives_a_redis_restart(
     (kombu: AttributeError, 'NoneType' object has no attribute 'hostname') and the worker
     exited: "Unrecoverable error". Remote control is off now
     (CELERY_WORKER_ENABLE_REMOTE_CONTROL): the project never broadcasts."""
-    # No waiter threads (runs.waiters): the child holds each message, so the rest stay
-    # prefetched, even those queued ahead of their due time.
+    # No waiter threads (runs.waiters): the child holds a message queued ahead of its due
+    # time while it waits for it (a call never holds it: runs.flights), so the rest stay
+    # prefetched.
     stack.env.update(CELERY_BROKER_URL=private_redis.url, SCHEDULER_BULKHEAD_REDIS_URL=private_redis.url,
                      SCHEDULER_DISPATCH_BATCH="1", SCHEDULER_REQUEUE_AFTER="3", SCHEDULER_LEASE_SECONDS="5",
-                     SCHEDULER_WORKER_WAITERS="0")
+                     SCHEDULER_WORKER_WAITERS="0", SCHEDULER_LOOKAHEAD="5")
     counting_target.delay(2.0)
-    worker = stack.worker("worker-a", concurrency=1)  # one call at a time: the other messages wait prefetched
+    worker = stack.worker("worker-a", concurrency=1)  # one child: the other messages wait prefetched
     scanner = stack.scanner("scanner-a")
     wait_for(lambda: owned(scanner) and " ready." in worker.output(), 40, what="the scanner and the worker")
-    runs = one_offs(counting_target.url(), first_in=0, seconds=1, per_second=4)  # four messages at once
-    wait_for(lambda: counting_target.received(), 20, interval=0.05, what="the first call")
+    runs = one_offs(counting_target.url(), first_in=2, seconds=1, per_second=4)  # four messages, queued ahead
     # kombu keeps a delivered message in Redis's `unacked` hash until the worker acks it (on start).
     wait_for(lambda: private_redis.hlen("unacked") >= 3, 10, interval=0.05,
              what="the worker to hold the other three messages, prefetched")
