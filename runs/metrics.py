@@ -12,8 +12,10 @@ Each selector is one or two queries whatever the number of rows.
   at the claim (so a run that is later retried counts once, against the due time
   it had when it first started). Runs that started before the rollups existed
   were carried over once by the migration, as the old query counted them.
-- `SCHEDULER_METRICS_TOKEN` set: the scrape needs `Authorization: Bearer <token>`;
-  unset: open (bind the server to loopback or a private network).
+- Who may read it: `Authorization: Bearer <SCHEDULER_METRICS_TOKEN>`, or a staff
+  session (the admin's). Without a token set, staff sessions only, except on the
+  embedded defaults (one machine, trying it out), where it is open: the figures name
+  every tenant's target hosts and the scanners.
 """
 
 from __future__ import annotations
@@ -509,17 +511,21 @@ def _scanner_lines() -> list[str]:
 
 def _authorized(request: HttpRequest) -> bool:
     token = getattr(settings, "SCHEDULER_METRICS_TOKEN", "")
-    if not token:
-        return True
     given = request.headers.get("Authorization", "")
-    return hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
+    if token and hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+        return True
+    user = getattr(request, "user", None)
+    if user is not None and user.is_active and user.is_staff:
+        return True
+    return not token and bool(getattr(settings, "EMBEDDED", False))
 
 
 @require_GET
 def metrics_view(request: HttpRequest) -> HttpResponse:
     if not _authorized(request):
         response = HttpResponse(
-            "a bearer token is needed (SCHEDULER_METRICS_TOKEN)\n", status=401, content_type="text/plain; charset=utf-8"
+            "a bearer token (SCHEDULER_METRICS_TOKEN) or a staff session is needed\n", status=401,
+            content_type="text/plain; charset=utf-8"
         )
         response["WWW-Authenticate"] = 'Bearer realm="metrics"'
         return response

@@ -99,3 +99,15 @@ def drop_time_partitions() -> None:
             cursor.execute(f"DROP TABLE {connection.ops.quote_name(span.name)}")
         for span in partitions.spans(partitions.EVENTS):
             cursor.execute(f"DROP TABLE {connection.ops.quote_name(span.events)}")
+
+
+SCRAPE_TOKEN = "test-scrape-token"
+
+
+def scrape_metrics() -> Any:
+    """GET /metrics as a Prometheus scraper does, with the bearer token (without one
+    set, the production layout answers staff sessions only)."""
+    from django.test import Client, override_settings
+
+    with override_settings(SCHEDULER_METRICS_TOKEN=SCRAPE_TOKEN):
+        return Client().get("/metrics", HTTP_AUTHORIZATION=f"Bearer {SCRAPE_TOKEN}")

@@ -12,6 +12,7 @@ from django.utils import timezone
 from jobs.services import job_create
 from runs.models import Run
 from runs.services import run_execute
+from tests.factories import scrape_metrics
 from tests.target import LoopbackTarget
 
 S = Run.Status
@@ -43,7 +44,7 @@ def test_metrics_count_runs_started_succeeded_failed_and_dead_after_a_few_runs(
     assert execute(owner, target.url("/ok2")) == "succeeded"
     assert execute(owner, target.url("/flaky")) == "retry_scheduled"
     assert execute(owner, target.url("/bad")) == "dead"
-    response = Client().get("/metrics")
+    response = scrape_metrics()
     assert response.status_code == 200 and response["Content-Type"].startswith("text/plain; version=0.0.4")
     text = response.content.decode()
     assert "# TYPE scheduler_runs_started_total counter" in text
@@ -70,7 +71,7 @@ def test_metrics_show_queue_depth_and_late_runs(owner: Any) -> None:
     job = new_job(owner)
     make_run(job, ago(minutes=10), status=S.QUEUED, is_backfill=True)
     make_run(job, ago(seconds=5), status=S.QUEUED, is_backfill=True)
-    found = samples(Client().get("/metrics").content.decode())
+    found = samples(scrape_metrics().content.decode())
     assert found["scheduler_queue_depth"] == 2 and found["scheduler_runs_late"] == 1
 
 
@@ -107,10 +108,34 @@ def test_breaker_state_and_bulkhead_use_show_per_host_on_metrics_and_the_system_
     assert bulkhead.take(host="busy.test", holder="run_9/dead-worker", now=now - timedelta(minutes=5), lease=lease)
     taken = bulkhead.take_many(host="busy.test", holders=[f"run_{n}/w1" for n in range(3)], now=now, lease=lease)
     assert len(taken) == 3
-    found = samples(Client().get("/metrics").content.decode())
+    found = samples(scrape_metrics().content.decode())
     assert found['scheduler_target_in_flight{host="busy.test"}'] == 3
     assert found['scheduler_target_breaker_state{host="down.test:8080",state="open"}'] == 1
     assert found['scheduler_target_breaker_state{host="down.test:8080",state="closed"}'] == 0
     assert found['scheduler_target_breaker_state{host="busy.test",state="closed"}'] == 1
     page = operator_client.get("/admin/system/").content.decode()
     assert "down.test:8080" in page and "<strong>open</strong>" in page and "3 of 10" in page
+
+
+@pytest.mark.django_db
+@override_settings(SCHEDULER_METRICS_TOKEN="", EMBEDDED=False)
+def test_without_a_token_the_production_layout_answers_staff_sessions_only(operator_client: Client) -> None:
+    """The figures name every tenant's target hosts and the scanners: without
+    SCHEDULER_METRICS_TOKEN nobody but staff reads them (open only on the embedded defaults)."""
+    refused = Client().get("/metrics")
+    assert refused.status_code == 401 and refused["WWW-Authenticate"].startswith("Bearer")
+    assert "scheduler_" not in refused.content.decode()
+    assert Client().get("/metrics", HTTP_AUTHORIZATION="Bearer ").status_code == 401
+    assert operator_client.get("/metrics").status_code == 200
+
+
+@pytest.mark.django_db
+@override_settings(SCHEDULER_METRICS_TOKEN="s3cret")
+def test_with_a_token_a_staff_session_reads_them_too(operator_client: Client) -> None:
+    assert operator_client.get("/metrics").status_code == 200
+
+
+@pytest.mark.django_db
+@override_settings(SCHEDULER_METRICS_TOKEN="", EMBEDDED=True)
+def test_on_the_embedded_defaults_without_a_token_they_are_open() -> None:
+    assert Client().get("/metrics").status_code == 200

@@ -14,7 +14,7 @@ from django.utils import timezone
 
 from runs import events, rollups
 from runs.models import Run, RunEvent, RunRollup
-from tests.factories import make_run, entries
+from tests.factories import scrape_metrics, make_run, entries
 from tests.ops.conftest import ago, new_job
 from tests.ops.test_metrics import samples
 
@@ -50,7 +50,7 @@ def test_skipped_runs_are_counted_by_reason_and_by_job(owner: Any) -> None:
     run = make_run(quiet, ago(minutes=30), status=S.SKIPPED, is_backfill=True)
     found.append(events.event(run.pk, "skipped", now, reason="excluded"))
     events.record_many(found)  # no runs given: the skips' jobs are looked up
-    text = Client().get("/metrics").content.decode()
+    text = scrape_metrics().content.decode()
     got = samples(text)
     assert got['scheduler_runs_skipped_total{reason="overlap"}'] == 2
     assert got['scheduler_runs_skipped_total{reason="excluded"}'] == 2
@@ -68,7 +68,7 @@ def test_a_first_start_adds_its_lag_and_a_later_claim_does_not(owner: Any) -> No
     events.record_many([events.event(run.pk, "claimed", due + timedelta(seconds=3), fence=1)], runs={run.pk: run})
     run.started_at = due + timedelta(seconds=3)  # as the claim left it
     events.record_many([events.event(run.pk, "claimed", due + timedelta(seconds=9), fence=2)], runs={run.pk: run})
-    got = samples(Client().get("/metrics").content.decode())
+    got = samples(scrape_metrics().content.decode())
     assert got["scheduler_runs_started_total"] == 2
     assert got["scheduler_run_lateness_seconds_count"] == 1
     assert got['scheduler_run_lateness_seconds_bucket{le="2.0"}'] == 0
@@ -116,7 +116,7 @@ def test_a_scan_that_skips_missed_times_counts_them_by_reason_and_job(owner: Any
     Run.objects.filter(job=job, status=S.SCHEDULED).update(scheduled_for=late, due_at=late)
     result = scan_once(partitions=list(range(settings.SCHEDULER_PARTITIONS)), publish=False)
     assert result.skipped >= 2  # the late run and the times missed after it
-    got = samples(Client().get("/metrics").content.decode())
+    got = samples(scrape_metrics().content.decode())
     skipped = Run.objects.filter(job=job, status=S.SKIPPED).count()
     assert got['scheduler_runs_skipped_total{reason="misfire"}'] == skipped == result.skipped
     assert got[f'scheduler_job_runs_skipped_total{{job="{job.public_id}"}}'] == skipped
