@@ -93,10 +93,13 @@ def task_refusal(owner: Any, task: str) -> str | None:
     A service names only tasks under its granted prefixes (jobs.validators.
     task_name_granted). A job owned by a person (staff, through the API: the caller
     owns what it creates) may name any task: staff are the operators who grant."""
-    from jobs.validators import task_name_granted
+    from jobs.validators import RESERVED_TASK_ROOTS, task_name_granted
 
     if owner is None:
         return "the job has no owner to check the task against"
+    if task_name_granted(task, list(RESERVED_TASK_ROOTS)) and is_service_account(owner):
+        # Whatever a grant stored before such grants were refused says.
+        return f"{task!r} is Celery's own task or the scheduler's: never granted to a service"
     if getattr(owner, "is_staff", False) and not is_service_account(owner):
         return None
     prefixes = task_prefixes_of(owner.pk)

@@ -430,13 +430,25 @@ def validate_queue(name: str) -> str:
     return name
 
 
+# Task names no service may be granted: Celery's own (celery.chord, celery.starmap...,
+# which run other tasks by name) and the scheduler's (its workers run them).
+RESERVED_TASK_ROOTS = ("celery", "runs", "jobs", "scanners", "scheduler_project")
+
+
 def validate_task_prefix(prefix: str) -> str:
-    """A grant: a task name, or one ending with a dot (`billing.`)."""
+    """A grant: a task name, or one ending with a dot (`billing.`); never one that
+    covers Celery's own tasks or the scheduler's (RESERVED_TASK_ROOTS)."""
     if len(prefix) > MAX_TASK_NAME_LENGTH or not _TASK_PREFIX_RE.fullmatch(prefix):
         raise ValueError(
             f"{prefix[:80]!r} is not a task prefix: give dotted Python identifiers, optionally ending with "
             "a dot, like billing. or billing.tasks"
         )
+    for root in RESERVED_TASK_ROOTS:
+        # It covers the root (`cel` would grant celery.*), or lies under it (`celery.`, `runs.tasks`).
+        if task_name_granted(root, [prefix]) or task_name_granted(prefix.rstrip("."), [root]):
+            raise ValueError(
+                f"{prefix!r} would grant {root}.* tasks: Celery's own tasks and the scheduler's are never granted"
+            )
     return prefix
 
 

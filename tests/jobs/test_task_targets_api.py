@@ -232,3 +232,33 @@ def test_grant_tasks_refuses_bad_input_in_one_line(service: Service, args: list[
     with pytest.raises(CommandError, match=words):
         call_command("grant_tasks", *args, stdout=_Sink())
     assert ServiceAccount.objects.get(user=service.user).task_prefixes == []
+
+
+@pytest.mark.parametrize("prefix", ["celery.", "celery", "runs.", "runs", "jobs.", "scanners.", "runs.tasks",
+                                    "scheduler_project."])
+def test_grant_tasks_refuses_a_prefix_that_covers_celerys_or_the_schedulers_own_tasks(
+    service: Service, prefix: str
+) -> None:
+    """With `celery.` granted, a job {"task": "celery.starmap", "args": [{"task":
+    "runs.keep_run_partitions", ...}]} made the scheduler's worker run its own upkeep."""
+    with pytest.raises(CommandError, match="Celery's own tasks and the scheduler's are never granted"):
+        call_command("grant_tasks", "reports", prefix, stdout=_Sink())
+    assert ServiceAccount.objects.get(user=service.user).task_prefixes == []
+
+
+@pytest.mark.parametrize("prefix", ["celeryapp.", "runsx.tasks", "c", "reports."])
+def test_grant_tasks_takes_names_that_only_look_alike(service: Service, prefix: str) -> None:
+    call_command("grant_tasks", "reports", prefix, stdout=_Sink())
+    assert ServiceAccount.objects.get(user=service.user).task_prefixes == [prefix]
+
+
+def test_a_grant_stored_before_the_refusal_names_no_reserved_task(service: Service) -> None:
+    """A grant of `celery.` written before grant_tasks refused it: creating the job is a
+    400 naming task, and a run of a job made then is refused at publishing (the worker
+    asks the same question: jobs.selectors.task_refusal)."""
+    from jobs.selectors import task_refusal
+
+    ServiceAccount.objects.filter(user=service.user).update(task_prefixes=["celery."])
+    response = service.client.post(JOBS, task_job(task="celery.starmap"), format="json")
+    assert response.status_code == 400 and "task" in response.json(), response.json()
+    assert "never granted to a service" in task_refusal(service.user, "celery.starmap")
