@@ -240,11 +240,17 @@ def validate_target(url: str) -> ParsedTarget:
     return target
 
 
+def notify_is_webhook(value: str) -> bool:
+    """A `notify` that is a webhook (an https URL, its scheme in any case: URLs' schemes
+    are case-insensitive), not an e-mail address."""
+    return value[:8].lower() == "https://"
+
+
 def validate_notify(value: str) -> str:
     """`notify`: an e-mail address (at most 254 characters, RFC 5321) or an https URL
     checked like a target (it is called like one)."""
     if "://" in value:
-        if not value.lower().startswith("https://"):
+        if not notify_is_webhook(value):
             raise ValueError("must be an e-mail address or an https URL")
         validate_target(value)
         return value

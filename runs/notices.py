@@ -36,6 +36,7 @@ from django.utils import timezone
 
 from jobs.models import Job, ServiceAccount
 from jobs.schedule import parse_duration
+from jobs.validators import notify_is_webhook
 from runs import delivery
 from runs.models import Notice, Run
 
@@ -202,13 +203,13 @@ def _failed(rows: list[Notice], to: str, now: datetime, reason: str, *, final: b
 
 def _where(to: str) -> str:
     """For the log: a webhook by its host only (its path may hold a token)."""
-    return f"webhook {delivery.parse_url(to).host}" if to.startswith("https://") else (to or "no one")
+    return f"webhook {delivery.parse_url(to).host}" if notify_is_webhook(to) else (to or "no one")
 
 
 def _deliver(job: Job, rows: list[Notice], to: str, now: datetime) -> None:
     if not to:
         raise NoticeFailed("no one to tell: the job has no notify, its service none, its owner no e-mail", final=True)
-    if to.startswith("https://"):
+    if notify_is_webhook(to):
         _webhook(job, rows, to, now)
     else:
         _email(job, rows, to, now)

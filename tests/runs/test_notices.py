@@ -281,3 +281,18 @@ def test_metrics_show_the_notices_waiting_and_given_up_on(service: Any, webhook:
     notices.notices_send()
     text = render_metrics()
     assert "scheduler_notices_pending 0" in text and "scheduler_notices_failed 1" in text
+
+
+@pytest.mark.embedded
+def test_an_upper_case_https_notify_url_is_called_as_a_webhook(service: Any, webhook: HttpsWebhook) -> None:
+    """`HTTPS://...` passed the API's check (schemes are case-insensitive) but was then
+    sent as an e-mail address, tried ten times, and the owner never told."""
+    url = webhook.url("/shout")
+    job = make_job(service.user, notify="HTTPS://" + url[len("https://"):])
+    dead_runs(job, 1)
+
+    result = notices.notices_send()
+
+    assert result.sent == [job.pk]
+    assert len(webhook.calls("/shout")) == 1
+    assert set(Notice.objects.values_list("status", flat=True)) == {NS.SENT}
