@@ -1,16 +1,20 @@
 """Celery tasks: thin, ids in, a service call."""
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Callable
 from datetime import datetime
 
 from celery import Task, shared_task
-from django.db import InterfaceError, OperationalError, connection
+from django.db import InterfaceError, OperationalError, close_old_connections, connection, connections
 
 from runs import storegate, waiters
+from runs.delivery import CallPool, _PerProcess
 from runs.services import run_execute_many
+
+logger = logging.getLogger("scheduler.runs")
 
 
 def _worker(task: Task) -> str:
@@ -79,12 +83,41 @@ def execute_run(self: Task, run_id: int) -> str:
     return run_execute_many(run_ids=[int(run_id)], worker=_worker(self), detach=_detached(self))[int(run_id)]
 
 
-@shared_task(name="runs.send_notices", ignore_result=True)
-def send_notices() -> int:
-    """Notices that are due (runs.notices): the scanner holding partition 0 publishes this."""
+def _close_own_connection() -> None:
+    connections["default"].close()  # the notices thread that ends: its connection with it
+
+
+# Each worker process sends notices from one thread of its own, never from the child
+# that takes run messages: a webhook that hangs holds that thread, not another
+# service's runs. One at a time: a send already going on makes the next publish a no-op
+# (the scanner publishes again within seconds while notices are due).
+_notice_sender = _PerProcess(lambda: CallPool(1, idle_seconds=60.0, name="notices", at_end=_close_own_connection))
+
+
+@shared_task(bind=True, name="runs.send_notices", ignore_result=True)
+def send_notices(self: Task) -> int:
+    """Notices that are due (runs.notices): the scanner holding partition 0 publishes this.
+    A worker on PostgreSQL hands the sending to its notices thread and returns at once;
+    an eager call, or the embedded SQLite file's, sends here. Returns the jobs told here."""
     from runs.notices import notices_send
 
-    return len(notices_send().sent)
+    if not _detached(self):
+        return len(notices_send().sent)
+    if _notice_sender.get().offer(_send_notices_on_thread) is None:
+        logger.debug("notices: a send is already going on in this worker process")
+    return 0
+
+
+def _send_notices_on_thread() -> None:
+    from runs.notices import notices_send
+
+    close_old_connections()
+    try:
+        notices_send()
+    except Exception:  # noqa: BLE001 - the rows stay pending: the next send tries again
+        logger.exception("sending notices failed; they stay pending")
+    finally:
+        close_old_connections()
 
 
 @shared_task(name="runs.keep_run_partitions", ignore_result=True)

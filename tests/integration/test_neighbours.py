@@ -81,3 +81,39 @@ def test_one_services_hanging_hosts_do_not_hold_the_worker_from_another_services
     assert all(server.calls("/hang") for server in hanging)
     assert done.started_at - done.due_at < timedelta(seconds=3), (done.due_at, done.started_at)
     assert done.finished_at < min(timezone.now(), at + timedelta(seconds=HANG))
+
+
+def test_a_hanging_notice_webhook_does_not_hold_the_worker_from_another_services_run(
+    stack: Stack, target: LoopbackTarget, tmp_path: Any
+) -> None:
+    """Dead runs of service alpha are told to a webhook that hangs: the notices are sent
+    from the worker process's own notices thread, never from the child that takes run
+    messages, so beta's run is claimed on time with one worker child."""
+    from runs import notices
+    from runs.models import Notice
+    from tests.factories import make_job, make_run
+    from tests.webhook import HttpsWebhook
+
+    webhook = HttpsWebhook(tmp_path / "tls").start()
+    try:
+        webhook.delay("/hang", HANG)
+        alpha, _ = service_account_ensure(name="alpha")
+        beta, _ = service_account_ensure(name="beta")
+        for i in range(3):
+            job = make_job(alpha, name=f"dies-{i}", notify=webhook.url("/hang"))
+            run = make_run(job, timezone.now() - timedelta(minutes=1), status=S.DEAD, attempt=1,
+                           finished_at=timezone.now())
+            notices.notice_add(job=job, kind="dead", run=run, reason="HTTP 500")
+        at = (timezone.now() + timedelta(seconds=10)).replace(microsecond=0)
+        quick = one_off(beta, "quick", target.url("/quick"), at)
+        stack.scanner("scanner-a")
+        stack.worker("worker-a", concurrency=1, SCHEDULER_TLS_CA_FILE=webhook.cert)
+
+        wait_for(lambda: webhook.calls("/hang"), 40, interval=0.1, what="the notice webhook to be called")
+        done = wait_for(lambda: run_of(quick).status == S.SUCCEEDED and run_of(quick), HANG + 40, interval=0.05,
+                        what="beta's run to succeed")
+        assert done.started_at - done.due_at < timedelta(seconds=3), (done.due_at, done.started_at)
+        # And the webhook was still hanging on the first notice then.
+        assert Notice.objects.filter(status="pending").exists()
+    finally:
+        webhook.stop()
