@@ -619,7 +619,11 @@ class JobAdmin(admin.ModelAdmin):
     def save_model(self, request: HttpRequest, obj: Job, form: JobAdminForm, change: bool) -> None:
         try:
             if change:
-                job = services.job_update(job=obj, fields=form.service_fields)
+                had_secrets = bool(Job.objects.filter(pk=obj.pk).exclude(secret_headers="").exists())
+                job = services.job_update(job=obj, fields=form.service_fields, by_owner=False)
+                if had_secrets and not job.secret_headers:
+                    messages.warning(request, "The target moved to another host: the job's secret headers were "
+                                              "dropped. Enter them again if they belong there.")
             else:
                 job = services.job_create(owner=form.cleaned_data["owner"], fields=form.service_fields)
         except ValueError as exc:

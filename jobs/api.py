@@ -287,7 +287,8 @@ class JobViewSet(viewsets.GenericViewSet):
         serializer.is_valid(raise_exception=True)
         was_paused = job.paused
         with transaction.atomic():
-            job = call_service(services.job_update, job=job, fields=serializer.service_fields())
+            job = call_service(services.job_update, job=job, fields=serializer.service_fields(),
+                               by_owner=request.user.pk == job.owner_id)
             changed = sorted(key for key in body if key != "paused")
             if changed:
                 audit(request, "changed", job, {"fields": changed})

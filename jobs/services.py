@@ -12,6 +12,7 @@ from django.utils import timezone
 from jobs import schedule
 from jobs.models import Job
 from jobs.secrets import encrypt_headers, split_headers
+from jobs.validators import target_host
 from runs import events
 from runs.claims import again_if_moved
 from runs.delivery import iso_z
@@ -142,16 +143,23 @@ def open_run(job: Job, *, lock: bool = False) -> Run | None:
 
 @again_if_moved
 @transaction.atomic
-def job_update(*, job: Job, fields: dict[str, Any], now: datetime | None = None) -> Job:
+def job_update(*, job: Job, fields: dict[str, Any], now: datetime | None = None, by_owner: bool = True) -> Job:
     """PATCH: change fields; a changed schedule, zone, time or window replaces the waiting run;
-    `paused` pauses or resumes."""
+    `paused` pauses or resumes. An edit not made by the owning service (`by_owner`
+    False: the admin, staff through the API) that moves the target to another host
+    drops the stored secret headers: they were the owner's to send there, and an
+    operator must not be able to send them to a URL of their choosing (they can be
+    entered again by a later edit)."""
     now = now or timezone.now()
     fields = dict(fields)
     job = Job.objects.select_for_update().get(pk=job.pk)
     if job.state == Job.State.DELETED:
         raise ValueError("the job is deleted")
     paused = fields.pop("paused", None)
+    new_host = "target" in fields and target_host(fields["target"] or "") != target_host(job.target or "")
     _apply_headers(job, fields.pop("headers", None), fields.pop("secret_headers", None))
+    if new_host and not by_owner:
+        job.secret_headers = ""
     _one_timing(fields)
     changed = {k for k, v in fields.items() if k in TIMING_FIELDS and getattr(job, k) != v}
     timing_changed = bool(changed)

@@ -699,3 +699,25 @@ def test_the_openapi_schema_generates_without_warnings(tmp_path: Path) -> None:
     call_command("spectacular", "--validate", "--fail-on-warn", "--file", str(tmp_path / "schema.yml"))
 
     assert "/api/jobs/{id}/runs/" in (tmp_path / "schema.yml").read_text()
+
+
+def test_staff_moving_a_services_target_to_another_host_drops_its_secret_headers_and_the_owner_keeps_them(
+    service: Any, staff_client: Any
+) -> None:
+    """Secret headers are the owning service's to send to its target: staff changing
+    the target's host through the API drop them; the owning service's own PATCH to
+    another host keeps them (sent back as "***"), as documented."""
+    from jobs.secrets import decrypt_headers
+
+    body = {"name": "secret", "schedule": "0 2 * * *", "target": "https://a.example/x",
+            "headers": {"Authorization": "Bearer s3cret"}}
+    created = service.client.post("/api/jobs/", body, format="json").json()
+    url = f"/api/jobs/{created['id']}/"
+    assert service.client.patch(url, {"target": "https://b.example/x", "headers": {"Authorization": "***"}},
+                                format="json").status_code == 200
+    job = Job.objects.get(name="secret")
+    assert decrypt_headers(job.secret_headers) == {"Authorization": "Bearer s3cret"}
+
+    assert staff_client.patch(url, {"target": "https://c.example/x"}, format="json").status_code == 200
+    job.refresh_from_db()
+    assert decrypt_headers(job.secret_headers) == {}

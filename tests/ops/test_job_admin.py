@@ -219,3 +219,33 @@ def test_paused_until_on_a_job_left_running_is_a_form_error_in_the_apis_words(
     assert "only a paused job resumes by itself" in " ".join(errors.get("paused_until", [])), errors
     job.refresh_from_db()
     assert not job.paused and job.paused_until is None
+
+
+def test_an_operator_moving_the_target_to_another_host_drops_the_secret_headers(
+    operator_client: Client, owner: Any
+) -> None:
+    """An operator edited the target of a job holding `Authorization: Bearer ...` (shown
+    as ***) to a URL of their choosing, and run now sent the secret there. An edit by
+    anyone but the owning service that moves the target to another host drops them."""
+    from jobs.secrets import decrypt_headers
+
+    job = new_job(owner, headers={"Authorization": "Bearer beta-token", "X-Team": "reports"})
+    data = form_data(operator_client, job, target="https://elsewhere.example/collect")
+    assert "***" in data["headers"]
+    response = operator_client.post(f"{LIST}{job.pk}/change/", data, follow=True)
+    assert response.status_code == 200
+    job.refresh_from_db()
+    assert job.target == "https://elsewhere.example/collect"
+    assert decrypt_headers(job.secret_headers) == {} and job.headers == {"X-Team": "reports"}
+    assert any("secret headers were dropped" in str(m) for m in response.context["messages"])
+
+
+def test_an_operator_edit_that_keeps_the_host_keeps_the_secret_headers(operator_client: Client, owner: Any) -> None:
+    from jobs.secrets import decrypt_headers
+
+    job = new_job(owner, headers={"Authorization": "Bearer beta-token"})
+    response = operator_client.post(f"{LIST}{job.pk}/change/",
+                                    form_data(operator_client, job, target="https://reports.internal/other"))
+    assert response.status_code == 302
+    job.refresh_from_db()
+    assert decrypt_headers(job.secret_headers) == {"Authorization": "Bearer beta-token"}
