@@ -1,6 +1,6 @@
 """Benches on the production layout: `python bench/run.py SCENARIO [options]`.
 
-Scenarios: sustained, spike, scan, beat, failover, limits, ops, idle, restarts, store, prune. Each prints a table
+Scenarios: sustained, spike, scan, beat, neighbours, failover, limits, ops, idle, restarts, store, prune. Each prints a table
 and writes bench/results/<scenario>.json (with the machine it ran on).
 PostgreSQL and Redis must be up (scripts/test.sh leaves them so); the bench
 starts its own ZooKeeper on BENCH_ZK_PORT (21812) and its own target on
@@ -46,6 +46,9 @@ def main() -> int:
                    help="legs to run (tasks always); a leg left out keeps its figures from bench/results/beat.json")
     p.add_argument("--import-lead", type=int, default=1200, help="seconds allowed for import_beat before the due minute")
     scenarios.add_layout_options(p)
+
+    p = sub.add_parser("neighbours", help="a fast job beside a 65 s one on one host, minute by minute")
+    p.add_argument("--minutes", type=int, default=10, help="the measured minutes")
 
     p = sub.add_parser("failover", help="scanner and worker kill -9 to recovery")
     p.add_argument("--lease", type=int, default=10)

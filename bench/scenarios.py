@@ -455,6 +455,12 @@ def store(args: argparse.Namespace) -> int:
     return store_scenario.run(args)
 
 
+def neighbours(args: argparse.Namespace) -> int:
+    from bench import neighbours_scenario
+
+    return neighbours_scenario.run(args)
+
+
 def failover(args: argparse.Namespace) -> int:
     from bench import failover_scenario
 
