@@ -61,7 +61,7 @@ def admit(*, host: str, holder: str, now: datetime, probe_lease: timedelta) -> A
         state=B.HALF_OPEN, probe_holder=holder, probe_until=now + probe_lease
     )
     if took:
-        _transition(host, B.HALF_OPEN, now, probe=holder)
+        _transition(host, B.HALF_OPEN, now, probe=holder, probe_owner=_owner_of(holder))
         return Admission(probe=True, state=B.HALF_OPEN)
     # Another run is the probe: ask again soon.
     return Admission(hold_until=bulkhead.wait_until(now), state=B.HALF_OPEN, next_probe_at=probe_at)
@@ -121,7 +121,7 @@ def _success(host: str, holder: str, now: datetime) -> None:
         state=B.CLOSED, failures=0, opened_at=None, next_probe_at=None, probe_holder="", probe_until=None
     )
     if closed:
-        _transition(host, B.CLOSED, now, by=holder)
+        _transition(host, B.CLOSED, now, by=holder, by_owner=_owner_of(holder))
     else:
         TargetBreaker.objects.filter(host=host, failures__gt=0).update(failures=0)
 
@@ -209,9 +209,25 @@ def _sees_text(viewer: Any, owner_id: int | None) -> bool:
     return viewer is None or getattr(viewer, "is_staff", False) or (owner_id is not None and owner_id == viewer.pk)
 
 
+# A transition's holders ("<run id>/<worker host/pid/thread>"): whose run it was is kept
+# beside each (`<key>_owner`), read by shown_detail only.
+HOLDER_KEYS = ("probe", "by")
+
+
 def shown_detail(detail: dict[str, Any], viewer: Any) -> dict[str, Any]:
-    """A transition's detail without the owner's id, and without another service's text."""
-    shown = {k: v for k, v in detail.items() if k != "owner"}
+    """A transition's detail without the owners' ids, and without another service's
+    text. A holder (the probe, the run that closed it) shows to staff whole; to a
+    service as its own run's id when the run was its own, never the worker's host and
+    process; another service's not at all."""
+    shown = {k: v for k, v in detail.items() if k != "owner" and not k.endswith("_owner")}
+    for key in HOLDER_KEYS:
+        if key not in detail or _sees_text(viewer, None):
+            continue
+        holder = str(detail[key]).split("/", 1)[0]
+        if holder.isdigit() and _sees_text(viewer, detail.get(f"{key}_owner")):
+            shown[key] = f"run_{holder}"
+        else:
+            shown.pop(key)
     if "last_error" in detail and not _sees_text(viewer, detail.get("owner")):
         shown.pop("last_error")
     elif "owner" not in detail and not _sees_text(viewer, None) and isinstance(detail.get("reason"), str):

@@ -102,3 +102,33 @@ def test_a_services_own_failure_after_another_services_shows_its_own_text(
     assert "billing's own" in theirs[0]["last_error"] and SECRET not in json.dumps(theirs)
     mine = breaker_rows(service.client)
     assert mine[0]["last_error"] == "" and SECRET not in json.dumps(mine)  # the host's last failure was B's
+
+
+@override_settings(SCHEDULER_BREAKER_FAILURES=1, SCHEDULER_BREAKER_COOLDOWN=0)
+def test_a_breakers_history_shows_no_other_services_run_ids_nor_the_workers_host_and_process(
+    service: Service, other_service: Service, shared_host: str
+) -> None:
+    """A's failure opens the shared host's breaker; B's run is the probe and, the host
+    back, closes it. B sees its own run's id in the history; A sees neither B's run ids
+    nor any worker's host and process ("by": "78/worker@vm/16461/81728" before)."""
+    from datetime import timedelta
+
+    from runs.breakers import admit, record
+
+    run_once(service.user, f"{shared_host}/a", {"n": 1})
+    assert TargetBreaker.objects.get().state == TargetBreaker.State.OPEN
+    host = TargetBreaker.objects.get().host
+    job = make_job(other_service.user, target=f"{shared_host}/b")
+    probe = make_run(job, timezone.now().replace(microsecond=0))
+    assert admit(host=host, holder=f"{probe.pk}/worker@vm/16461/81728", now=timezone.now(),
+                 probe_lease=timedelta(seconds=60)).probe
+    record(host=host, holder=f"{probe.pk}/worker@vm/16461/81728", trouble=False, error="", now=timezone.now())
+    assert TargetBreaker.objects.get().state == TargetBreaker.State.CLOSED
+
+    theirs = json.dumps(breaker_rows(service.client))
+    assert str(probe.pk) + "/" not in theirs and "16461" not in theirs and "worker@vm" not in theirs
+    assert f"run_{probe.pk}" not in theirs
+    mine = breaker_rows(other_service.client)
+    details = [t["detail"] for t in mine[0]["history"]]
+    assert {"by": f"run_{probe.pk}"} in [{k: v for k, v in d.items() if k == "by"} for d in details]
+    assert "16461" not in json.dumps(mine)
