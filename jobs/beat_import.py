@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone as dt_timezone
 from typing import Any, Iterable
 
-from django.db import IntegrityError, connections, transaction
+from django.db import DatabaseError, connections, transaction
 from django.db.utils import load_backend
 from django.utils import timezone
 
@@ -260,6 +260,8 @@ def _json(text: str | None, name: str, kind: type) -> Any:
         value = json.loads(text)
     except ValueError as exc:
         raise Refused(f"its {name} are not JSON ({exc})") from exc
+    except RecursionError as exc:
+        raise Refused(f"its {name} are nested too deeply") from exc
     if not isinstance(value, kind):
         raise Refused(f"its {name} are not a JSON {'list' if kind is list else 'object'}")
     return value
@@ -509,8 +511,10 @@ def _create_one(owner: Any, plan: Plan, now: datetime) -> None:
                 detail={"source": "import_beat", "periodic_task": plan.name, "fields": sorted(plan.body)},
                 at=now,
             )
-    except (ValueError, IntegrityError) as exc:
-        plan.status, plan.reason = "skip", f"not created: {exc}"
+    except (ValueError, DatabaseError) as exc:
+        # One task's row the store refuses (a clash, a value it cannot hold): that task is
+        # skipped with the reason, its savepoint undone; the rest are imported.
+        plan.status, plan.reason = "skip", f"not created: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
         return
     plan.status, plan.job_id = "created", job.public_id
 

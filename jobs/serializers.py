@@ -336,6 +336,19 @@ def _duplicate_names(names: list[str]) -> list[str]:
     return problems
 
 
+def _text_problem(text: str) -> str | None:
+    """What PostgreSQL cannot store of a string: NUL, and lone surrogates (UTF-8 cannot
+    encode them; a form or a Python caller can hand them over, where the API's JSON
+    parser is not in front)."""
+    if "\x00" in text:
+        return "must not contain NUL characters (\\u0000)"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "must not contain lone surrogates (invalid Unicode, like \\ud800)"
+    return None
+
+
 def _payload_problem(data: Any) -> str | None:
     """What PostgreSQL's jsonb or the call to the target would choke on, in words.
     Iterative, so a deeply nested payload cannot exhaust the stack here."""
@@ -344,13 +357,17 @@ def _payload_problem(data: Any) -> str | None:
         value, depth = stack.pop()
         if depth > MAX_PAYLOAD_DEPTH:
             return f"is nested more than {MAX_PAYLOAD_DEPTH} levels deep"
-        if isinstance(value, str) and "\x00" in value:
-            return "must not contain NUL characters (\\u0000)"
+        if isinstance(value, str):
+            problem = _text_problem(value)
+            if problem:
+                return problem
         if isinstance(value, float) and not math.isfinite(value):
             return "must not contain NaN or infinite numbers"
         if isinstance(value, dict):
-            if any("\x00" in key for key in value):
-                return "must not contain NUL characters (\\u0000)"
+            for key in value:
+                problem = _text_problem(str(key))
+                if problem:
+                    return problem
             stack.extend((v, depth + 1) for v in value.values())
         elif isinstance(value, list):
             stack.extend((v, depth + 1) for v in value)
@@ -719,6 +736,17 @@ class JobSerializer(StrictFieldsMixin, serializers.Serializer):
             return validate_task_name(value)
         except ValueError as exc:
             raise ValidationError(str(exc)) from exc
+
+    def validate_name(self, value: str) -> str:
+        """A name is shown on pages, in lists and on operators' terminals: no control
+        characters (a terminal's escape sequences among them), nothing PostgreSQL cannot store."""
+        bad = next((c for c in value if ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F), None)
+        if bad is not None:
+            raise ValidationError(f"must not contain control characters (found U+{ord(bad):04X})")
+        problem = _text_problem(value)
+        if problem:
+            raise ValidationError(problem)
+        return value
 
     def validate_queue(self, value: str | None) -> str | None:
         if value is None:

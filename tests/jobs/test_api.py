@@ -721,3 +721,27 @@ def test_staff_moving_a_services_target_to_another_host_drops_its_secret_headers
     assert staff_client.patch(url, {"target": "https://c.example/x"}, format="json").status_code == 200
     job.refresh_from_db()
     assert decrypt_headers(job.secret_headers) == {}
+
+
+@pytest.mark.parametrize("name", ["report\x1b[2J", "line\nbreak", "bell\x07", "c1\x9b31m", "tab\there"])
+def test_a_name_with_control_characters_is_a_400_naming_name(service: Any, name: str) -> None:
+    body = {"name": name, "schedule": "0 2 * * *", "target": "https://a.example/x"}
+    response = service.client.post("/api/jobs/", body, format="json")
+    assert response.status_code == 400 and "control characters" in response.json()["name"][0], response.json()
+    assert not Job.objects.exists()
+
+
+def test_job_fields_a_form_or_code_can_hand_over_with_lone_surrogates_are_refused_in_words(service: Any) -> None:
+    """The API's JSON parser refuses a lone surrogate; the admin's forms, sync_jobs and
+    import_beat hand Python strings to the same serializer, where PostgreSQL's refusal
+    was a 500 (the admin) or a traceback (the commands)."""
+    from jobs.serializers import JobSerializer
+
+    base = {"name": "x", "schedule": "0 2 * * *", "target": "https://a.example/x"}
+    for field, value in [("payload", {"k": "\ud800"}), ("payload", {"\udfff": 1}), ("name", "bad\ud800")]:
+        serializer = JobSerializer(data={**base, field: value}, context={"owner": service.user})
+        assert not serializer.is_valid()
+        assert "urrogate" in str(serializer.errors[field]), serializer.errors
+    task = {"name": "t", "schedule": "0 2 * * *", "task": "reports.tasks.x", "args": ["\ud800"]}
+    serializer = JobSerializer(data=task, context={"owner": service.user})
+    assert not serializer.is_valid() and "lone surrogates" in str(serializer.errors["args"]), serializer.errors

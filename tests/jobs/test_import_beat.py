@@ -504,3 +504,23 @@ def test_crontab_timezone_reads_every_crontab_in_celerys_zone_for_a_project_with
 def test_crontab_timezone_refuses_an_unknown_zone_in_one_line(owner: Any) -> None:
     with pytest.raises(CommandError, match="--crontab-timezone: 'Mars/Olympus' is not a known IANA time zone"):
         run_command("--crontab-timezone", "Mars/Olympus")
+
+
+def test_hostile_periodic_tasks_are_skipped_with_a_reason_and_the_rest_imported(owner: Any) -> None:
+    """A lone surrogate in args (a DataError in PostgreSQL: the whole import rolled back
+    with a traceback), args nested past Python's stack (a RecursionError, --dry-run too),
+    and a name with a terminal's escape sequence (printed raw): each task is skipped or
+    shown escaped, and the others are imported."""
+    every_day = CrontabSchedule.objects.create(minute="0", hour="2", timezone="UTC")
+    PeriodicTask.objects.create(name="good", task="app.tasks.good", crontab=every_day)
+    PeriodicTask.objects.create(name="surrogate", task="app.tasks.x", crontab=every_day, args='["\\ud800"]')
+    PeriodicTask.objects.create(name="deep", task="app.tasks.y", crontab=every_day, args="[" * 100_000 + "]" * 100_000)
+    PeriodicTask.objects.create(name="evil\x1b[2J\x1b]0;owned\x07", task="app.tasks.z", crontab=every_day)
+
+    dry = run_command("--dry-run")
+    assert "\x1b" not in dry and "\\x1b[2J" in dry, dry
+    assert "nested too deeply" in dry
+    out = run_command()
+    assert "\x1b" not in out
+    assert set(Job.objects.values_list("name", flat=True)) == {"good"}
+    assert "lone surrogates" in out and "nested too deeply" in out and "control characters" in out, out

@@ -101,7 +101,18 @@ class Command(BaseCommand):
         )
 
 
+def shown(text: str) -> str:
+    """A cell as an operator's terminal should get it: control characters (a terminal's
+    escape sequences among them) written as escapes, never sent raw."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode("ascii")
+                   for c in text)
+
+
 def _row(plan: beat_import.Plan, dry_run: bool) -> tuple[str, ...]:
+    return tuple(shown(cell) for cell in _cells(plan, dry_run))
+
+
+def _cells(plan: beat_import.Plan, dry_run: bool) -> tuple[str, ...]:
     if plan.status == "skip":
         status = f"skipped: {plan.reason}"
     elif plan.status == "create":
