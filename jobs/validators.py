@@ -248,19 +248,43 @@ def notify_is_webhook(value: str) -> bool:
 
 def validate_notify(value: str) -> str:
     """`notify`: an e-mail address (at most 254 characters, RFC 5321) or an https URL
-    checked like a target (it is called like one)."""
+    checked like a target (it is called like one); either allowed by
+    SCHEDULER_NOTIFY_ALLOWLIST when it is set."""
     if "://" in value:
         if not notify_is_webhook(value):
             raise ValueError("must be an e-mail address or an https URL")
         validate_target(value)
-        return value
-    if len(value) > 254:
-        raise ValueError(f"is {len(value)} characters; an e-mail address is at most 254")
-    try:
-        validate_email(value)
-    except DjangoValidationError as exc:
-        raise ValueError("must be an e-mail address or an https URL") from exc
+    else:
+        if len(value) > 254:
+            raise ValueError(f"is {len(value)} characters; an e-mail address is at most 254")
+        try:
+            validate_email(value)
+        except DjangoValidationError as exc:
+            raise ValueError("must be an e-mail address or an https URL") from exc
+    refusal = notify_refusal(value)
+    if refusal:
+        raise ValueError(refusal)
     return value
+
+
+def notify_refusal(value: str) -> str | None:
+    """Why a notice may not go to `value` under SCHEDULER_NOTIFY_ALLOWLIST (an e-mail
+    address by its domain, a webhook by its host), or None. Empty list: anywhere."""
+    allow = [pattern.lower() for pattern in settings.SCHEDULER_NOTIFY_ALLOWLIST]
+    if not allow or not value:
+        return None
+    if notify_is_webhook(value):
+        try:
+            where = parse_target(value).hostname
+        except ValueError:
+            return "is not a URL the scheduler can read"
+        what = f"host {where}"
+    else:
+        where = value.rsplit("@", 1)[-1].lower()
+        what = f"e-mail domain {where}"
+    if any(fnmatch.fnmatchcase(where, pattern) for pattern in allow):
+        return None
+    return f"{what} is not in SCHEDULER_NOTIFY_ALLOWLIST"
 
 
 def validate_notify_on(value: object) -> list[str]:

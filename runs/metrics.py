@@ -444,6 +444,10 @@ def render_metrics(now: datetime | None = None) -> str:
     ):
         metric = f"scheduler_runs_{key}" if key != "queued" else "scheduler_queue_depth"
         out += _header(metric, "gauge", text) + [_line(metric, getattr(queue, key))]
+    name = "scheduler_notices_held_total"
+    held = sum(int(row["n"] or 0) for row in totals if row["kind"] == "notices_held")
+    out += _header(name, "counter", "Notices held because their service had SCHEDULER_NOTIFY_PER_HOUR "
+                                    "in the last hour.") + [_line(name, held)]
     name = "scheduler_runs_found_by_floor_drop_total"
     found = sum(int(row["n"] or 0) for row in totals if row["kind"] == rollups.FLOOR_DROP_FOUND)
     out += _header(name, "counter", "Waiting runs a scanner found only at its periodic floor drop: "

@@ -36,8 +36,8 @@ from django.utils import timezone
 
 from jobs.models import Job, ServiceAccount
 from jobs.schedule import parse_duration
-from jobs.validators import notify_is_webhook
-from runs import delivery
+from jobs.validators import notify_is_webhook, notify_refusal
+from runs import delivery, rollups
 from runs.models import Notice, Run
 
 logger = logging.getLogger("scheduler.notices")
@@ -102,6 +102,7 @@ class SendResult:
     deferred: list[int] = field(default_factory=list)  # inside their digest window or backoff
     retrying: list[int] = field(default_factory=list)
     failed: list[int] = field(default_factory=list)
+    held: list[int] = field(default_factory=list)  # their service had its notices for the hour
 
 
 class NoticeFailed(Exception):
@@ -149,7 +150,20 @@ def _send_job(job_id: int, now: datetime, result: SendResult) -> None:
             return
         job = rows[0].job
         to = recipient(job)
+        held_until = _over_hourly_cap(job.owner_id, now)
+        if held_until is not None:
+            # The service has had its notices for this hour: these wait, counted.
+            Notice.objects.filter(pk__in=[r.pk for r in rows]).update(due_at=held_until)
+            result.held.append(job_id)
+            rollups.add_count(HELD, len(rows))
+            logger.warning("notices of %s held until %s: its service had %d notices in the last hour "
+                           "(SCHEDULER_NOTIFY_PER_HOUR)", job.public_id, delivery.iso_z(held_until),
+                           settings.SCHEDULER_NOTIFY_PER_HOUR)
+            return
         try:
+            refusal = notify_refusal(to)
+            if refusal:
+                raise NoticeFailed(f"notify refused: {refusal}", final=True)
             _deliver(job, rows, to, now)
         except NoticeFailed as exc:
             _failed(rows, to, now, str(exc), final=exc.final, result=result)
@@ -159,6 +173,23 @@ def _send_job(job_id: int, now: datetime, result: SendResult) -> None:
         )
         result.sent.append(job_id)
         logger.info("told %s about %d run(s) of %s", _where(to), len(rows), job.public_id)
+
+
+HELD = "notices_held"  # runs.rollups kind: notices held by SCHEDULER_NOTIFY_PER_HOUR
+
+
+def _over_hourly_cap(owner_id: int | None, now: datetime) -> datetime | None:
+    """When a notice of this service may go out, if it has had SCHEDULER_NOTIFY_PER_HOUR
+    notices (digests: one job's rows sent together) in the hour before `now`; else None."""
+    cap = settings.SCHEDULER_NOTIFY_PER_HOUR
+    if cap <= 0 or owner_id is None:
+        return None
+    hour = timedelta(hours=1)
+    sent = sorted(set(Notice.objects.filter(job__owner_id=owner_id, status=NS.SENT, sent_at__gt=now - hour)
+                      .values_list("job_id", "sent_at")), key=lambda pair: pair[1])
+    if len(sent) < cap:
+        return None
+    return sent[len(sent) - cap][1] + hour  # when the oldest of the last `cap` leaves the hour
 
 
 def _earliest_send(job_id: int, rows: list[Notice]) -> datetime:

@@ -598,6 +598,12 @@ SCHEDULER_NOTIFY_DIGEST = env_str("SCHEDULER_NOTIFY_DIGEST", "5m")
 SCHEDULER_NOTIFY_RETRY_BASE = env_str("SCHEDULER_NOTIFY_RETRY_BASE", "30s")
 SCHEDULER_NOTIFY_TRIES = env_int("SCHEDULER_NOTIFY_TRIES", 10)
 SCHEDULER_NOTIFY_TIMEOUT = env_int("SCHEDULER_NOTIFY_TIMEOUT", 10)
+# Where a `notify` may point: e-mail domains and webhook host patterns (fnmatch, like
+# SCHEDULER_TARGET_ALLOWLIST), checked when a job is saved and when a notice is sent.
+# Empty: any. And how many notices (digests) one service may have sent in an hour;
+# past it they wait, counted (/metrics: scheduler_notices_held_total).
+SCHEDULER_NOTIFY_ALLOWLIST = env_list("SCHEDULER_NOTIFY_ALLOWLIST")
+SCHEDULER_NOTIFY_PER_HOUR = env_int("SCHEDULER_NOTIFY_PER_HOUR", 60)
 # Extra CA certificates (a PEM file) trusted for https targets and webhooks, besides
 # certifi's: an internal CA. Unset: certifi's only.
 SCHEDULER_TLS_CA_FILE = env_str("SCHEDULER_TLS_CA_FILE")

@@ -296,3 +296,44 @@ def test_an_upper_case_https_notify_url_is_called_as_a_webhook(service: Any, web
     assert result.sent == [job.pk]
     assert len(webhook.calls("/shout")) == 1
     assert set(Notice.objects.values_list("status", flat=True)) == {NS.SENT}
+
+
+@pytest.mark.embedded
+@override_settings(SCHEDULER_NOTIFY_PER_HOUR=2)
+def test_a_service_past_its_notices_for_the_hour_waits_counted_and_another_service_is_told(
+    service: Any, other_service: Any, webhook: HttpsWebhook
+) -> None:
+    """25 jobs with an unverified notify and a phishing name sent 16 e-mails in 30 s from
+    the scheduler's own sender: a cap per service per hour holds always."""
+    from tests.factories import scrape_metrics
+
+    mine = [make_job(service.user, name=f"URGENT {i}", notify=webhook.url(f"/m{i}")) for i in range(3)]
+    theirs = make_job(other_service.user, notify=webhook.url("/theirs"))
+    for job in [*mine, theirs]:
+        dead_runs(job, 1)
+
+    result = notices.notices_send()
+
+    assert sorted(result.sent) == sorted([mine[0].pk, mine[1].pk, theirs.pk])
+    assert result.held == [mine[2].pk]
+    held = Notice.objects.get(job=mine[2])
+    assert held.status == NS.PENDING and held.due_at >= timezone.now() + timedelta(minutes=59)
+    assert not webhook.calls("/m2")
+    assert "scheduler_notices_held_total 1" in scrape_metrics().content.decode().splitlines()
+
+
+@override_settings(SCHEDULER_NOTIFY_ALLOWLIST=["example.test", "*.hooks.example.test"])
+def test_a_notify_off_the_allow_list_is_a_400_and_one_stored_before_is_refused_when_sent(service: Any) -> None:
+    base = {"name": "n", "schedule": "0 2 * * *", "target": "https://a.example/x"}
+    for notify in ["ops@attacker.test", "https://evil.test/hook"]:
+        response = service.client.post("/api/jobs/", {**base, "notify": notify}, format="json")
+        assert response.status_code == 400 and "SCHEDULER_NOTIFY_ALLOWLIST" in response.json()["notify"][0]
+    for notify in ["ops@example.test", "https://a.hooks.example.test/x"]:
+        assert service.client.post("/api/jobs/", {**base, "name": notify, "notify": notify},
+                                   format="json").status_code == 201
+
+    job = make_job(service.user, notify="ops@attacker.test")  # stored before the list was set
+    dead_runs(job, 1)
+    result = notices.notices_send()
+    assert result.failed == [job.pk]
+    assert "not in SCHEDULER_NOTIFY_ALLOWLIST" in Notice.objects.get(job=job).last_error
