@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import email.utils
+import html
 import http.client
 import json
 import logging
@@ -12,6 +13,7 @@ import ssl
 import threading
 import time
 import unicodedata
+import urllib.parse
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -545,15 +547,37 @@ def _excerpt(body: bytes, secrets: tuple[str, ...], *, cut: bool) -> str:
 
 def redact(text: str, secrets: tuple[str, ...]) -> str:
     """`text` with each secret value (and its words of 8 characters or more, and its
-    JSON-escaped form) replaced by [redacted]."""
+    JSON-escaped form) replaced by [redacted]. A target may echo a secret in another
+    spelling (percent-encoded, HTML entities, JSON with `\\/`, another case): when the
+    text decoded from those holds one, compared without case, the decoded text is kept,
+    redacted, instead of the text as sent."""
     forms: set[str] = set()
     for value in secrets:
         forms.add(value)
         forms.add(json.dumps(value)[1:-1])
         forms.update(word for word in value.split() if len(word) >= 8)
-    for form in sorted((f for f in forms if f), key=len, reverse=True):
+    ordered = sorted((f for f in forms if f), key=len, reverse=True)
+    for form in ordered:
         text = text.replace(form, "[redacted]")
+    if not ordered:
+        return text
+    for decoded in _spellings(text):
+        if any(form.lower() in decoded.lower() for form in ordered):
+            for form in ordered:
+                decoded = re.sub(re.escape(form), "[redacted]", decoded, flags=re.IGNORECASE)
+            return decoded
     return text
+
+
+def _spellings(text: str) -> list[str]:
+    """`text` read back from the encodings an echo may use, one more layer each time
+    (twice at most: a value encoded twice)."""
+    found, current = [], text
+    for _ in range(2):
+        current = html.unescape(urllib.parse.unquote(current.replace("\\/", "/")))
+        found.append(current)
+        found.append(current.replace("+", " "))  # a form's encoding of spaces
+    return found
 
 
 def one_line(text: str) -> str:

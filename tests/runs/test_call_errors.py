@@ -131,3 +131,29 @@ def test_secrets_a_target_echoes_back_are_redacted_from_the_stored_error_and_the
     dead_lines = [line for line in logged if "is dead" in line]
     assert dead_lines and all("\n" not in line and "\r" not in line for line in dead_lines)
     assert "\n" not in run.last_error
+
+
+@pytest.mark.parametrize(
+    "echo",
+    [
+        '{"auth":"Bearer s3cr3t\\/Tok+en=="}',  # JSON with escaped slashes
+        "auth=Bearer%20s3cr3t%2FTok%2Ben%3D%3D",  # percent-encoded
+        "Bearer%2520s3cr3t%252FTok%252Ben%253D%253D",  # percent-encoded twice
+        "<p>Bearer s3cr3t&#x2F;Tok&#43;en==</p>",  # HTML entities
+        "BEARER S3CR3T/TOK+EN==",  # another case
+        "auth=Bearer+s3cr3t%2FTok%2Ben%3D%3D",  # a form's encoding
+    ],
+)
+def test_an_echoed_secret_in_another_spelling_is_redacted(echo: str) -> None:
+    """Redaction caught the exact and JSON-escaped forms only: these reached last_error,
+    events, the worker's log line and the admin."""
+    from runs.delivery import redact
+
+    shown = redact(echo, ("Bearer s3cr3t/Tok+en==",))
+    assert "[redacted]" in shown and "s3cr3t" not in shown.lower(), shown
+
+
+def test_text_with_no_secret_in_any_spelling_is_kept_as_sent() -> None:
+    from runs.delivery import redact
+
+    assert redact("a%20b &amp; c", ("Bearer s3cr3t/Tok+en==",)) == "a%20b &amp; c"
