@@ -32,7 +32,7 @@ from jobs.models import Job, ServiceAccount, ServiceToken
 from jobs.ops import TriggerRefused, job_trigger
 from jobs.public_ids import format_id, parse_id
 from jobs.serializers import JobSerializer
-from jobs.validators import METHODS, target_key, validate_task_prefix
+from jobs.validators import METHODS, target_host, target_key, validate_task_prefix
 from runs.delivery import iso_z
 from runs.models import OPEN_KEPT_FOR, Run, ended_newest_first
 
@@ -619,9 +619,10 @@ class JobAdmin(admin.ModelAdmin):
     def save_model(self, request: HttpRequest, obj: Job, form: JobAdminForm, change: bool) -> None:
         try:
             if change:
-                had_secrets = bool(Job.objects.filter(pk=obj.pk).exclude(secret_headers="").exists())
+                before = Job.objects.only("target", "secret_headers").get(pk=obj.pk)
                 job = services.job_update(job=obj, fields=form.service_fields, by_owner=False)
-                if had_secrets and not job.secret_headers:
+                moved = target_host(before.target) != target_host(job.target)
+                if moved and before.secret_headers and not job.secret_headers:
                     messages.warning(request, "The target moved to another host: the job's secret headers were "
                                               "dropped. Enter them again if they belong there.")
             else:
