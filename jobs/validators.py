@@ -240,6 +240,13 @@ def validate_target(url: str) -> ParsedTarget:
     return target
 
 
+def escape_controls(text: str) -> str:
+    """`text` as an operator's terminal should get it (a command's table or error):
+    control characters, a terminal's escape sequences among them, written as escapes."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode("ascii")
+                   for c in text)
+
+
 def notify_is_webhook(value: str) -> bool:
     """A `notify` that is a webhook (an https URL, its scheme in any case: URLs' schemes
     are case-insensitive), not an e-mail address."""

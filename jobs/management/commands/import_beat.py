@@ -8,6 +8,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils import timezone
 
 from jobs import beat_import
+from jobs.validators import escape_controls
 from jobs.models import ServiceAccount
 from runs.delivery import iso_z
 
@@ -101,15 +102,8 @@ class Command(BaseCommand):
         )
 
 
-def shown(text: str) -> str:
-    """A cell as an operator's terminal should get it: control characters (a terminal's
-    escape sequences among them) written as escapes, never sent raw."""
-    return "".join(c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode("ascii")
-                   for c in text)
-
-
 def _row(plan: beat_import.Plan, dry_run: bool) -> tuple[str, ...]:
-    return tuple(shown(cell) for cell in _cells(plan, dry_run))
+    return tuple(escape_controls(cell) for cell in _cells(plan, dry_run))
 
 
 def _cells(plan: beat_import.Plan, dry_run: bool) -> tuple[str, ...]:

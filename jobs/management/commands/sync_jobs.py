@@ -7,6 +7,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from jobs import code
+from jobs.validators import escape_controls
 
 
 def _show(value: Any) -> str:
@@ -28,7 +29,7 @@ class Command(BaseCommand):
         try:
             result = code.sync(dry_run=dry_run, prune=prune)
         except ValueError as exc:  # DefinitionError, or a service's refusal (the job cap)
-            raise CommandError(str(exc)) from exc
+            raise CommandError(escape_controls(str(exc))) from exc
         self._report(result, dry_run=dry_run, prune=prune)
 
     def _report(self, result: code.SyncPlan, *, dry_run: bool, prune: bool) -> None:
