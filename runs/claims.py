@@ -17,7 +17,7 @@ from datetime import timezone as dt_timezone
 from typing import Any, TypeVar
 
 from django.conf import settings
-from django.db import OperationalError, connection, transaction
+from django.db import IntegrityError, OperationalError, connection, transaction
 from django.db.models import BooleanField, Case, DateTimeField, ExpressionWrapper, F, Max, Q, QuerySet, Value, When
 from django.db.models.expressions import Expression, RawSQL
 from django.utils import timezone
@@ -185,6 +185,16 @@ def _moved_away(error: BaseException) -> bool:
     )
 
 
+def _partition_made_meanwhile(error: BaseException) -> bool:
+    """A row routed to the history's default partition just as a time partition for its
+    key was attached (runs.partitions.make): the statement routed by the partitions it
+    started with, and the default's constraint, changed by the attach, now refuses the
+    row. Made again, the write routes it to the new partition."""
+    return getattr(getattr(error, "__cause__", None), "sqlstate", None) == "23514" and (
+        "violates partition constraint" in str(error)
+    )
+
+
 T = TypeVar("T")
 
 # How often a write whose row was moved under it is made again (each time another
@@ -196,6 +206,9 @@ def again_if_moved(write: Callable[..., T]) -> Callable[..., T]:
     """Make `write` again, in a savepoint of its own, when a row it waited for was moved
     between the store's partitions by the transaction it waited for (migration runs
     0015: ending a run moves it into the history, a requeue moves it back).
+
+    The same when a time partition for a row's key was attached while the write was
+    routing the row to the history's default partition (_partition_made_meanwhile).
 
     In one table the waiting statement re-checked its WHERE against the row's new
     version; across partitions PostgreSQL raises "tuple to be locked was already moved
@@ -214,8 +227,8 @@ def again_if_moved(write: Callable[..., T]) -> Callable[..., T]:
             try:
                 with transaction.atomic() if connection.in_atomic_block else nullcontext():
                     return write(*args, **kwargs)
-            except OperationalError as e:
-                if not tries_left or not _moved_away(e):
+            except (OperationalError, IntegrityError) as e:
+                if not tries_left or not (_moved_away(e) or _partition_made_meanwhile(e)):
                     raise
         raise AssertionError("unreachable")
 

@@ -18,7 +18,7 @@ from django.test import override_settings
 from django.utils import timezone
 
 from jobs.models import AuditEntry
-from runs import events, ops, partitions, retention, timeline
+from runs import claims, events, ops, partitions, retention, timeline
 from runs.models import Notice, Run, RunEvent
 from tests.factories import drop_time_partitions, make_job, make_run, utc
 from tests.runs.test_moved_rows import race
@@ -418,3 +418,26 @@ def test_an_open_run_being_written_when_the_drop_starts_is_waited_for_and_keeps_
     assert [d.name for d in dropped] == [day.name]
     assert event_tables(late[0]) == {"run_events_default"}
     assert {"held", "released"} <= set(timeline.timeline_types(Run.objects.get(pk=late[0].pk)))
+
+
+def test_an_outcome_routed_to_the_default_partition_while_its_days_partition_is_attached_is_made_again() -> None:
+    """Found in CI: the upkeep attached today's partition while a worker's outcome was
+    moving a run into the history. The outcome's statement had routed the row by the
+    partitions it started with (to the default), and the default's constraint, changed
+    by the attach, refused it: "new row for relation runs_history violates partition
+    constraint", the outcome lost and the run called again after its lease. Made again,
+    the write routes the row to the new partition."""
+    when = timezone.now().replace(microsecond=0)
+    job = make_job()
+    run = make_run(job, when, status=S.QUEUED, queued_at=timezone.now())
+    [claim] = claims.claim_many(run_ids=[run.pk], worker="w", lease=timedelta(seconds=60))
+    span = partitions.span_at(when)
+
+    def end() -> set[int]:
+        return claims.record_outcomes(
+            [claims.Outcome(run_id=run.pk, fence=claim.fence, status=S.SUCCEEDED, now=timezone.now())])
+
+    landed = race(lambda: partitions.make(span), end)
+
+    assert landed == {run.pk}
+    assert table_of(Run.objects.get(pk=run.pk)) == span.name
