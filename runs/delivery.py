@@ -139,6 +139,11 @@ class CallPool:
                 self._waiting.append(work)
         return work[0]
 
+    def backlog(self) -> int:
+        """Calls waiting for a thread (every one busy)."""
+        with self._lock:
+            return len(self._waiting)
+
     def threads(self) -> int:
         """Threads alive in the pool, busy or idle (tests, metrics)."""
         with self._lock:

@@ -8,14 +8,16 @@ in flight (overlap `skip` and `buffer_one`, a retry's due time, `finished_at`,
 
 Two ways to land, one rule:
 
-- Detached (a Celery worker on PostgreSQL): the batch's thread (a worker child, or a
-  waiter thread) starts its calls on the process's call pool and goes back for its
-  next message at once. The process's writer thread writes the outcomes as calls
-  end. A target that hangs holds a thread of the call pool for its timeout, never a
-  worker child: the runs of other services keep being claimed and called.
-- Inline (a direct call, an eager task, the embedded SQLite file whose one writer
-  gains nothing from a second thread): the batch's own thread writes the outcomes of
-  its calls as they end, until the last has landed.
+- The batch's own thread (a worker child, or a waiter thread) starts its calls on the
+  process's call pool and writes the outcomes of those that end close together, one
+  group a transaction, as they end.
+- Detached (a Celery worker on PostgreSQL): once it has waited DETACH_AFTER with
+  calls still in flight, it hands them to the process's writer thread, which writes
+  their outcomes as they end, and goes back for its next message. A target that
+  hangs holds a thread of the call pool for its timeout, never a worker child: the
+  runs of other services keep being claimed and called. A direct call, an eager
+  task, or the embedded SQLite file (whose one writer gains nothing from a second
+  thread) waits for its last outcome.
 
 While they fly, the process's beat thread keeps every call's lease (and its bulkhead
 slot) alive, one thread for all of them. A share of the calls in flight per service
@@ -48,6 +50,14 @@ STORE_TROUBLE = (OperationalError, InterfaceError)
 LAND_AT_MOST = 200  # outcomes written in one transaction at most
 IDLE_SECONDS = 60.0  # the writer and beat threads end after this long with nothing to do
 STORE_RETRY_SECONDS = 1.0
+# How long a worker child waits for its batch's calls before the process's writer
+# takes the rest over (runs.services._Batch.finish).
+DETACH_AFTER = 0.25
+# The writer waits this long for more calls to end before it writes what has (a group,
+# one transaction): at most LINGER_MOST after the first, so an outcome lands within
+# about that of its answer.
+LINGER_QUIET = 0.003
+LINGER_MOST = 0.02
 
 
 class Landed:
@@ -73,6 +83,7 @@ class Flight:
     slot: bulkhead.Slot | None
     item: Any
     landed: Landed
+    calling_since: float = 0.0  # time.monotonic() when its call started on a thread
     ended_at: float = 0.0  # time.monotonic() when its call ended
     lost: bool = False  # its lease was taken over: the beat no longer extends it
 
@@ -95,10 +106,15 @@ class Flights:
 
     # ---------------------------------------------------------------- the batch's side
 
-    def of_owner(self, owner: int | None) -> int:
-        """Calls of this service in flight in this process now."""
+    def of_owner(self, owner: int | None, *, longer_than: float = 0.0) -> int:
+        """Calls of this service in flight in this process now, those in flight for
+        more than `longer_than` seconds only."""
         with self._cond:
-            return self._owners[owner]
+            if longer_than <= 0:
+                return self._owners[owner]
+            since = time.monotonic() - longer_than
+            return sum(1 for f in self._flying.values()
+                       if f.owner == owner and not f.ended_at and 0 < f.calling_since < since)
 
     def start(self, flights: list[Flight]) -> None:
         """Flights whose calls are about to start (or have ended already): kept alive
@@ -120,13 +136,18 @@ class Flights:
         """Its call has ended (from whichever thread made it): on to its outcome."""
         flight.ended_at = time.monotonic()
         landed = flight.landed
-        if landed.inline:
-            with landed.cond:
+        with landed.cond:
+            if landed.inline:
                 landed.ended.append(flight)
                 landed.cond.notify_all()
+                return
+        self._to_writer([flight])
+
+    def _to_writer(self, flights: list[Flight]) -> None:
+        if not flights:
             return
         with self._cond:
-            self._ended.append(flight)
+            self._ended.extend(flights)
             if self._writer is None:
                 self._writer = threading.Thread(target=self._write_loop, name="flights-writer", daemon=True)
                 self._writer.start()
@@ -141,18 +162,42 @@ class Flights:
                 return
             self._land(group)
 
-    def land_all(self, landed: Landed) -> None:
-        """Inline: write each outcome as its call ends, until the batch's last has landed.
-        The store's own trouble goes up (the caller hands the batch back); what it had
-        not written is given up here, its leases left to run out."""
+    def land_all(self, landed: Landed, detach_after: float | None = None,
+                 backlog: Callable[[], int] = lambda: 0) -> None:
+        """Write each outcome as its call ends (the calls ending close together in one
+        group), until the batch's last has landed; or, with `detach_after`, until that
+        many seconds have passed with calls still in flight: those are handed to the
+        process's writer, and this returns (the worker child is free for its next
+        message), unless calls of the process wait for a thread (`backlog`): then the
+        child waits on, as the process's back-pressure. The store's own trouble goes up (the caller hands the batch back);
+        what it had not written is given up here, its leases left to run out."""
+        deadline = None if detach_after is None else time.monotonic() + detach_after
         try:
             while True:
                 with landed.cond:
                     while not landed.ended and landed.left > 0:
-                        landed.cond.wait()
-                    if landed.left <= 0:
-                        return
-                    group = _take(landed.ended)
+                        wait = None if deadline is None else deadline - time.monotonic()
+                        if wait is not None and wait <= 0 and backlog() > 0:
+                            # Calls wait for a thread: the process is at its limit, and
+                            # the child waits too (the back-pressure), a while more.
+                            deadline = time.monotonic() + (detach_after or 0.0)
+                            continue
+                        if wait is not None and wait <= 0:
+                            # Slow calls: the writer lands them, the child goes on.
+                            landed.inline = False
+                            rest = list(landed.ended)
+                            landed.ended.clear()
+                            break
+                        landed.cond.wait(wait)
+                    else:
+                        rest = None
+                        if landed.left <= 0:
+                            return
+                        _linger(landed.cond, landed.ended, landed.left)
+                        group = _take(landed.ended)
+                if rest is not None:
+                    self._to_writer(rest)
+                    return
                 self._land(group)
         except BaseException:
             self.abandon(landed)
@@ -220,6 +265,7 @@ class Flights:
                             self._writer = None
                             return
                         continue
+                    _linger(self._cond, self._ended, len(self._flying))
                     group = _take(self._ended)
                 close_old_connections()
                 try:
@@ -293,6 +339,24 @@ class Flights:
                 return False
             time.sleep(0.05)
         return True
+
+
+def _linger(cond: threading.Condition, ended: deque[Flight], flying: int) -> None:
+    """Under `cond`, with at least one flight ended: wait a moment for the calls ending
+    close together, so that they land in one transaction (a batch's calls to a quick
+    host end within milliseconds of each other): until none has ended for LINGER_QUIET,
+    at most LINGER_MOST after the first, and not at all when nothing else is in flight
+    (`flying`: those not landed, the ended included) or a group is full."""
+    started = time.monotonic()
+    seen = len(ended)
+    while seen < LAND_AT_MOST and seen < flying:
+        left = LINGER_MOST - (time.monotonic() - started)
+        if left <= 0:
+            return
+        cond.wait(min(LINGER_QUIET, left))
+        if len(ended) == seen:
+            return  # quiet: nothing more ended meanwhile
+        seen = len(ended)
 
 
 def _take(ended: deque[Flight]) -> list[Flight]:

@@ -12,6 +12,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import nullcontext
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -556,6 +557,11 @@ def run_execute(*, run_id: int, worker: str | None = None) -> str:
     return run_execute_many(run_ids=[run_id], worker=worker)[run_id]
 
 
+# Outcomes that have ended are written before a wait for the batch's next wave this
+# long or longer; a shorter wait keeps them for the batch's next write (its waves
+# are milliseconds apart under a steady stream: a write a wave would cost a
+# transaction each).
+LAND_BEFORE_WAIT = 0.1
 # Runs of a batch queued ahead of their due time (SCHEDULER_LOOKAHEAD) are claimed
 # in waves: the first waiting run and those due within CLAIM_WAVE seconds after it,
 # once the last of them is due. One claim statement a wave, for at most CLAIM_WAVE
@@ -664,7 +670,7 @@ def run_execute_many(*, run_ids: list[int], worker: str | None = None, sent_at: 
         else:
             candidates.append(run)
     batch = _Batch(worker=worker, lease=lease_length(), outcomes=outcomes, offset=offset, sent_at=sent_at,
-                   landed=flights.Landed(outcomes, inline=not detach))
+                   landed=flights.Landed(outcomes, inline=True), detach=detach)
 
     def work() -> None:
         try:
@@ -683,8 +689,13 @@ def run_execute_many(*, run_ids: list[int], worker: str | None = None, sent_at: 
     return outcomes
 
 
-# Calls in flight one service may have in a worker process (runs.flights): past it, its
-# further runs wait (`service_share_wait`) while other services' are called.
+# Calls in flight one service may have in a worker process that have been in flight
+# longer than SHARE_SLOW_FOR (runs.flights): past it, its further runs wait
+# (`service_share_wait`) while other services' are called. Quick calls never count: a
+# service whose calls answer keeps a worker as busy as its runs need.
+SHARE_SLOW_FOR = 2.0
+
+
 def service_share() -> int:
     share = int(getattr(settings, "SCHEDULER_SERVICE_CALLS", 0) or 0)
     return share if share > 0 else max(1, settings.SCHEDULER_WORKER_CALLS // 2)
@@ -726,6 +737,7 @@ class _Batch:
     offset: float  # seconds the store's clock is ahead of this process's
     sent_at: datetime | None = None  # when the message was published (claims.claim_many)
     landed: flights.Landed = field(default_factory=lambda: flights.Landed({}, inline=True))
+    detach: bool = False  # hand the calls still in flight to the process's writer after DETACH_AFTER
     breakers: _BreakerView = field(default_factory=lambda: _PROCESS_BREAKERS)
     hosts: set[str] = field(default_factory=set)  # of every run of the batch: one breaker read for all
     # The waves' claims counted (runs.rollups), written once their last wave has started
@@ -754,8 +766,8 @@ class _Batch:
             if (wave[-1].due_at - now).total_seconds() > longest_wait():
                 break  # these, and every run after them, are not waited for
             waiting = rest
-            if self.landed.inline:
-                process_flights().land_ready(self.landed)  # what has ended lands before the wait
+            if (wave[-1].due_at - self.store_now()).total_seconds() >= LAND_BEFORE_WAIT:
+                process_flights().land_ready(self.landed)  # what has ended lands before a longer wait
             self.sleep_until(wave[-1].due_at)
             early = self.start(wave, self.store_now())
             if early:
@@ -780,7 +792,8 @@ class _Batch:
     def start(self, wave: list[Run], now: datetime) -> list[Run]:
         """Admit, claim and set calling one wave; returns its runs the claim found not
         due yet. The calls go on while the batch waits for its next wave."""
-        wave = self._within_share(wave, now)
+        if self.detach:
+            wave = self._within_share(wave, now)
         gates = _admit(wave, self.worker, self.lease, now, self.outcomes,
                        lambda hosts: self.breakers.not_closed(hosts, self.hosts))
         admitted = [run for run in wave if run.pk in gates]
@@ -818,8 +831,8 @@ class _Batch:
 
     def _within_share(self, wave: list[Run], now: datetime) -> list[Run]:
         """The wave less the runs of services that already have their share of this
-        process's calls in flight (service_share): those wait a moment, spending no try,
-        while other services' runs are called."""
+        process's calls in flight for longer than SHARE_SLOW_FOR (service_share): those
+        wait a moment, spending no try, while other services' runs are called."""
         share = service_share()
         pool = process_flights()
         room: dict[int | None, int] = {}
@@ -827,7 +840,7 @@ class _Batch:
         for run in wave:
             owner = run.job.owner_id
             if owner not in room:
-                room[owner] = share - pool.of_owner(owner)
+                room[owner] = share - pool.of_owner(owner, longer_than=SHARE_SLOW_FOR)
             if room[owner] > 0:
                 room[owner] -= 1
                 let.append(run)
@@ -838,11 +851,12 @@ class _Batch:
         return let
 
     def finish(self) -> None:
-        """The claim counts written; inline, each outcome written as its call ends, until
-        the last (detached, the process's writer does that: runs.flights)."""
+        """The claim counts written; each outcome written as its call ends, until the
+        last, or (detached) until flights.DETACH_AFTER has passed with calls still in
+        flight: the process's writer lands those (runs.flights)."""
         self.write_started()
-        if self.landed.inline:
-            process_flights().land_all(self.landed)
+        process_flights().land_all(self.landed, detach_after=flights.DETACH_AFTER if self.detach else None,
+                                   backlog=delivery.call_pool().backlog)
 
 
 def _next_wave(waiting: list[Run], now: datetime) -> tuple[list[Run], list[Run]]:
@@ -1162,20 +1176,49 @@ def _prepare_one(call: Call, resolved: dict[str, _Resolved], signers: dict[int, 
     )
 
 
+# How long recent calls to each host took (ms, a moving average, this process).
+_recent_ms: dict[str, float] = {}
+QUICK_MS = 20.0  # a host this quick is called in turn: hundreds of calls side by side cost more than they save
+IN_TURN_FOR = 0.1  # seconds: the longest a batch calls in turn before the rest go side by side
+IN_TURN_WAIT = 0.05  # seconds the batch waits for one call in turn; a slower one goes on without it
+
+
 def _start_calls(flying: list[flights.Flight]) -> None:
-    """The calls of a wave, side by side on the worker process's call pool, each handed
-    on (runs.flights) as soon as it has ended; a call refused, or failed before it was
-    made, has ended already. The batch's thread makes none itself: no target, however
-    slow, holds it, nor an outcome of a call that ended before it (a host's endpoints
-    differ: one quick answer says nothing of the next)."""
+    """The calls of a wave, each on the worker process's call pool and handed on
+    (runs.flights) as soon as it has ended; a call refused, or failed before it was
+    made, has ended already. To a host that has been answering within QUICK_MS the
+    calls go one after another, the batch waiting for each at most IN_TURN_WAIT, for at
+    most IN_TURN_FOR in all; the rest side by side. So the batch's thread never waits
+    long on a target, however slow (one quick answer says nothing of the next
+    endpoint), and no outcome waits for a call made after it."""
     pool = process_flights()
+    rest = []
     for flight in flying:
         call = flight.item[0]
         if call.request is None and call.message is None:
             pool.ended(flight)
-            continue
-        delivery.call_pool().submit(_call_one, call).add_done_callback(
-            lambda future, flight=flight: _call_ended(flight, future))
+        else:
+            rest.append(flight)
+    stop = time.monotonic() + IN_TURN_FOR
+    while rest and _recent_ms.get(rest[0].item[1].host, 1e9) <= QUICK_MS and time.monotonic() < stop:
+        future = _submit(rest.pop(0))
+        try:
+            future.result(timeout=IN_TURN_WAIT)
+        except FutureTimeout:
+            break  # slow after all: it goes on, the rest side by side, and what ended lands
+    for flight in rest:
+        _submit(flight)
+
+
+def _submit(flight: flights.Flight) -> Future[CallResult]:
+    future = delivery.call_pool().submit(_calling, flight)
+    future.add_done_callback(lambda done, flight=flight: _call_ended(flight, done))
+    return future
+
+
+def _calling(flight: flights.Flight) -> CallResult:
+    flight.calling_since = time.monotonic()  # on a thread now: the service share counts from here
+    return _call_one(flight.item[0])
 
 
 def _call_ended(flight: flights.Flight, future: Future[CallResult]) -> None:
@@ -1185,7 +1228,14 @@ def _call_ended(flight: flights.Flight, future: Future[CallResult]) -> None:
         call.result = future.result()
     except BaseException:  # noqa: BLE001 - _call_one returns failures; anything else is one too
         call.result = CallResult(error=delivery.REQUEST_FAILED)
+    _note_duration(flight.item[1].host, call.result)
     process_flights().ended(flight)
+
+
+def _note_duration(host: str, result: CallResult) -> None:
+    before = _recent_ms.get(host)
+    took = float(result.duration_ms) if result.status is not None or result.published else 1e6
+    _recent_ms[host] = took if before is None else 0.8 * before + 0.2 * took
 
 
 def _call_one(call: Call) -> CallResult:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from datetime import datetime
 
 from celery import Task, shared_task
+from django.conf import settings
 from django.db import InterfaceError, OperationalError, close_old_connections, connection, connections
 
 from runs import storegate, waiters
@@ -59,11 +60,17 @@ def execute_runs(self: Task, run_ids: list[int], handbacks: int = 0, sent_at: st
         raise
 
 
-def _detached(task: Task) -> bool:
-    """A worker on PostgreSQL goes back for its next message once a batch's calls have
-    started (runs.flights); an eager call, or the embedded SQLite file's one writer,
-    writes the outcomes itself as the calls end."""
+def _threaded(task: Task) -> bool:
+    """A worker on PostgreSQL (not an eager call, nor the embedded SQLite file's one
+    writer) may hand work to threads of its process."""
     return not task.request.is_eager and connection.vendor == "postgresql"
+
+
+def _detached(task: Task) -> bool:
+    """With SCHEDULER_WORKER_DETACH, a worker on PostgreSQL hands a batch's calls still in
+    flight after a moment to its process's writer and goes back for its next message
+    (runs.flights); otherwise the child writes each outcome as its call ends, to the last."""
+    return bool(getattr(settings, "SCHEDULER_WORKER_DETACH", False)) and _threaded(task)
 
 
 def _sent_at(value: str | None) -> datetime | None:
@@ -101,7 +108,7 @@ def send_notices(self: Task) -> int:
     an eager call, or the embedded SQLite file's, sends here. Returns the jobs told here."""
     from runs.notices import notices_send
 
-    if not _detached(self):
+    if not _threaded(self):
         return len(notices_send().sent)
     if _notice_sender.get().offer(_send_notices_on_thread) is None:
         logger.debug("notices: a send is already going on in this worker process")

@@ -476,9 +476,15 @@ SCHEDULER_DISPATCH_BATCH = env_int("SCHEDULER_DISPATCH_BATCH", 200)
 # as needed). As many as a batch holds, so that a batch to a slow host goes out in
 # one round, not in several (docs/performance.md: 100 ms calls).
 SCHEDULER_WORKER_CALLS = env_int("SCHEDULER_WORKER_CALLS", SCHEDULER_DISPATCH_BATCH)
-# Calls one service may have in flight in one worker process (runs.flights): past it,
-# that service's further runs wait a moment (`service_share_wait`, no try spent) while
-# other services' runs are called. 0: half of SCHEDULER_WORKER_CALLS.
+# 1: a worker child that has waited 0.25 s for its batch's calls hands those still in
+# flight to its process's writer thread and goes back for its next message, so a target
+# that hangs never holds a child (runs.flights). Off by default: at the highest rate on
+# a 2-core VM it cost about a third of the throughput (docs/reliability.md).
+SCHEDULER_WORKER_DETACH = env_str("SCHEDULER_WORKER_DETACH", "0") == "1"
+# Detached workers only: calls one service may have in flight for over 2 s in one worker process (runs.flights):
+# past it, that service's further runs wait a moment (`service_share_wait`, no try spent)
+# while other services' runs are called; quick calls never count. 0: half of
+# SCHEDULER_WORKER_CALLS.
 SCHEDULER_SERVICE_CALLS = env_int("SCHEDULER_SERVICE_CALLS", 0)
 if SCHEDULER_SERVICE_CALLS < 0:
     raise ImproperlyConfigured(f"SCHEDULER_SERVICE_CALLS must be 0 or more, not {SCHEDULER_SERVICE_CALLS}")

@@ -73,7 +73,7 @@ def test_one_services_hanging_hosts_do_not_hold_the_worker_from_another_services
         one_off(alpha, f"hang-{i}", server.url("/hang"), at)
     quick = one_off(beta, "quick", target.url("/quick"), at + timedelta(seconds=2))
     stack.scanner("scanner-a")
-    stack.worker("worker-a", concurrency=1)
+    stack.worker("worker-a", concurrency=1, SCHEDULER_WORKER_DETACH="1")
 
     done = wait_for(lambda: run_of(quick).status == S.SUCCEEDED and run_of(quick), HANG + 40, interval=0.05,
                     what="beta's run to succeed")
