@@ -44,6 +44,7 @@ from django.utils import timezone
 from jobs import schedule
 from jobs.audit import audit_record
 from jobs.models import Job
+from jobs.validators import DEFAULT_QUEUE
 from runs.delivery import iso_z
 
 UTC = dt_timezone.utc
@@ -248,7 +249,9 @@ def _target(task: Any) -> dict[str, Any]:
         target["args"] = args
     if kwargs:
         target["kwargs"] = kwargs
-    if task.queue:
+    # "celery" is Celery's default queue, the one a job without `queue` publishes to;
+    # beat tables name it often, and a job may not name it (jobs.validators.queue_refusal).
+    if task.queue and task.queue != DEFAULT_QUEUE:
         target["queue"] = task.queue
     return target
 

@@ -35,6 +35,7 @@ from jobs.public_ids import format_id
 from jobs.secrets import REDACTED, decrypt_headers, is_secret, redacted_names
 from jobs.validators import (
     SET_BY_SCHEDULER,
+    queue_refusal,
     validate_header,
     validate_header_name,
     validate_method,
@@ -594,8 +595,9 @@ class JobSerializer(StrictFieldsMixin, serializers.Serializer):
     queue = serializers.CharField(
         required=False, allow_null=True, trim_whitespace=False,
         error_messages={"blank": 'must not be empty (the default is "celery")'},
-        help_text='A task job\'s queue (default "celery"): letters, digits, _, . and -, at most 100 '
-        "characters. pause_target celery:<queue> holds its runs. Null on a URL job.",
+        help_text='A task job\'s queue (left out: Celery\'s default queue, "celery"): letters, digits, _, . and -, '
+        "at most 100 characters; not the scheduler's own queue nor a broker key (runs, celery, celeryev*, "
+        "unacked*, _kombu.*, *.pidbox). pause_target celery:<queue> holds its runs. Null on a URL job.",
     )
     method = serializers.CharField(
         required=False, max_length=10, allow_null=True,
@@ -752,9 +754,16 @@ class JobSerializer(StrictFieldsMixin, serializers.Serializer):
         if value is None:
             return None
         try:
-            return validate_queue(value)
+            validate_queue(value)
         except ValueError as exc:
             raise ValidationError(str(exc)) from exc
+        # The value a job already holds round-trips (a PUT of what a GET gave: the
+        # default queue reads back as "celery"); a new name is checked.
+        if self.instance is None or getattr(self.instance, "queue", None) != value:
+            refusal = queue_refusal(value)
+            if refusal:
+                raise ValidationError(refusal)
+        return value
 
     def validate_method(self, value: str | None) -> str | None:
         if value is None:

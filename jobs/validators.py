@@ -467,6 +467,38 @@ def validate_queue(name: str) -> str:
     return name
 
 
+# Queue names no task job may name: the scheduler's own run queue (SCHEDULER_RUN_QUEUE,
+# "runs" by default), Celery's shared default queue (a job leaves `queue` out to use
+# it) and the keys the broker transport keeps beside the queues on the same server
+# (kombu's Redis transport: `unacked`, `unacked_index`, `unacked_mutex`,
+# `_kombu.binding.*`; Celery's events and remote control: `celeryev*`, `*.pidbox`,
+# `*.reply.celery.pidbox`). A publish to one of them turned a key the scheduler's own
+# worker reads into a list (WRONGTYPE, the worker down) or put a tenant's message on
+# the scheduler's run queue. The tasks broker defaults to the run queue's server, so
+# these stay refused whatever SCHEDULER_TASK_BROKER_URL says.
+RESERVED_QUEUES = ("runs", DEFAULT_QUEUE, "celeryev")
+RESERVED_QUEUE_PREFIXES = ("unacked", "_kombu.", "celeryev.", "celery.")
+RESERVED_QUEUE_SUFFIXES = (".pidbox",)
+
+
+def queue_refusal(name: str) -> str | None:
+    """Why a task job may not name the queue `name`, or None. Reads SCHEDULER_RUN_QUEUE
+    at call time, so a renamed run queue is refused as well as the default's name."""
+    from django.conf import settings
+
+    own = {settings.CELERY_TASK_DEFAULT_QUEUE, *RESERVED_QUEUES}
+    folded = name.lower()
+    if folded == DEFAULT_QUEUE:
+        return (f"{name!r} is Celery's shared default queue: leave queue out to publish there, "
+                "or name a queue of your service's own")
+    if folded in own:
+        return f"{name!r} is the scheduler's own queue or a broker key; name a queue of your service's own"
+    if folded.startswith(RESERVED_QUEUE_PREFIXES) or folded.endswith(RESERVED_QUEUE_SUFFIXES):
+        return (f"{name!r} is in the broker transport's own names ({', '.join(p + '*' for p in RESERVED_QUEUE_PREFIXES)}, "
+                f"*{RESERVED_QUEUE_SUFFIXES[0]}); name a queue of your service's own")
+    return None
+
+
 # Task names no service may be granted: Celery's own (celery.chord, celery.starmap...,
 # which run other tasks by name) and the scheduler's (its workers run them).
 RESERVED_TASK_ROOTS = ("celery", "runs", "jobs", "scanners", "scheduler_project")

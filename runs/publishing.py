@@ -39,6 +39,7 @@ from kombu.utils.url import maybe_sanitize_url
 
 from jobs import selectors
 from jobs.models import Job
+from jobs.validators import DEFAULT_QUEUE, queue_refusal
 from runs.claims import Claim
 from runs.delivery import CallResult, PreparationError, run_identity
 from runs.models import Run
@@ -74,11 +75,17 @@ def prepare(*, run: Run, job: Job, claim: Claim, grants: dict[tuple[int, str], s
     refusal = grants[key]
     if refusal is not None:
         raise PreparationError(f"task refused: {refusal}")
+    queue = job.queue or DEFAULT_QUEUE
+    # A job stored before its queue's name was refused (jobs.validators.queue_refusal)
+    # publishes nothing there; the default queue is the one a job gets by leaving it out.
+    refusal = None if queue == DEFAULT_QUEUE else queue_refusal(queue)
+    if refusal is not None:
+        raise PreparationError(f"queue refused: {refusal}")
     return TaskMessage(
         name=job.task,
         args=list(job.args or []),
         kwargs=dict(job.kwargs or {}),
-        queue=job.queue or "celery",
+        queue=queue,
         task_id=str(uuid.uuid4()),
         headers=run_identity(run, claim).message_headers(),
     )
@@ -108,7 +115,7 @@ def producer_app() -> Celery:
                 task_serializer="json",
                 accept_content=["json"],
                 task_create_missing_queues=True,
-                task_default_queue="celery",
+                task_default_queue=DEFAULT_QUEUE,
                 enable_utc=True,
             )
             app.amqp  # noqa: B018 - made here, under the lock, not by two call threads at once

@@ -113,6 +113,10 @@ def _archetypes() -> list[tuple[str, dict[str, Any], str]]:
             {"crontab": ("0", "8", "*", "*", "*"), "args": "[1, 2]", "kwargs": '{"mode": "full"}', "queue": "reports"},
             "create",
         ),
+        # Beat tables name Celery's default queue often; a job gets it by leaving queue out.
+        ("queue-celery", {"crontab": ("0", "9", "*", "*", "*"), "queue": "celery"}, "create"),
+        # A broker key of the scheduler's own (its worker's WRONGTYPE when published to).
+        ("queue-broker-key", {"crontab": ("0", "9", "*", "*", "*"), "queue": "unacked_index"}, "broker transport's own names"),
     ]
     return arch
 
@@ -293,6 +297,9 @@ def _check_fields(jobs: dict[str, Job], expected: dict[str, tuple[str, str]]) ->
             assert job.timezone == str(task.crontab.timezone)
     arguments = next(job for name, job in jobs.items() if name.startswith("task-arguments"))
     assert (arguments.args, arguments.kwargs, arguments.queue) == ([1, 2], {"mode": "full"}, "reports")
+    default_queue = next(job for name, job in jobs.items() if name.startswith("queue-celery"))
+    assert default_queue.queue == "celery"
+    assert not any(name.startswith("queue-broker-key") for name in jobs)
     wrap = next(job for name, job in jobs.items() if name.startswith("cron-weekend-wrap"))
     assert wrap.schedule == "0 6 * * 0-1,5-6"
     full_dom = next(job for name, job in jobs.items() if name.startswith("cron-full-dom-named"))

@@ -262,3 +262,40 @@ def test_a_grant_stored_before_the_refusal_names_no_reserved_task(service: Servi
     response = service.client.post(JOBS, task_job(task="celery.starmap"), format="json")
     assert response.status_code == 400 and "task" in response.json(), response.json()
     assert "never granted to a service" in task_refusal(service.user, "celery.starmap")
+
+
+@pytest.mark.parametrize("queue", ["runs", "RUNS", "celery", "celeryev", "celeryev.abc", "unacked", "unacked_index",
+                                   "unacked_mutex", "_kombu.binding.celery", "celery.pidbox", "w1.reply.celery.pidbox"])
+def test_a_task_job_may_not_name_the_schedulers_queue_or_a_broker_key(service: Service, queue: str) -> None:
+    """On 75cfded `queue: "unacked_index"` made the publish turn the Redis key kombu's
+    worker keeps its unacked index in into a list: the scheduler's worker exited with
+    WRONGTYPE, again after each restart. Refused: a 400 naming queue, nothing written."""
+    grant(service, "reports.")
+    before = row_counts()
+    response = service.post(JOBS, task_job(queue=queue))
+    assert response.status_code == 400, response.content
+    assert list(response.json()) == ["queue"], response.json()
+    assert "your service's own" in response.json()["queue"][0]
+    assert row_counts() == before
+
+
+def test_a_renamed_run_queue_is_refused_too(service: Service, settings: Any) -> None:
+    settings.CELERY_TASK_DEFAULT_QUEUE = "sched-runs"
+    grant(service, "reports.")
+    assert service.post(JOBS, task_job(queue="sched-runs")).status_code == 400
+    assert service.post(JOBS, task_job(queue="runsx", name="other")).status_code == 201
+
+
+def test_a_job_on_the_default_queue_round_trips_its_celery(service: Service) -> None:
+    """A job that left queue out reads back "celery"; a PATCH sending the body it read
+    keeps it, while naming "celery" on a new job, or moving a job to it, is refused."""
+    grant(service, "reports.")
+    created = service.post(JOBS, task_job()).json()
+    body = {k: v for k, v in created.items() if k in task_job() or k == "queue"}
+    assert body["queue"] == "celery"
+    response = service.patch(f"{JOBS}{created['id']}/", {**body, "name": "renamed"})
+    assert response.status_code == 200, response.content
+    moved = service.post(JOBS, task_job(name="second", queue="reports")).json()
+    response = service.patch(f"{JOBS}{moved['id']}/", {"queue": "celery"})
+    assert response.status_code == 400 and list(response.json()) == ["queue"]
+    assert Job.objects.get(name="second").queue == "reports"

@@ -274,3 +274,29 @@ def test_runs_the_broker_accepted_do_not_open_the_queues_breaker(granted: Any, q
     assert outcomes == ["succeeded"] * 7
     assert len(messages(url, queue)) == 7
     assert not TargetBreaker.objects.filter(host=f"celery:{queue}").exclude(state=TargetBreaker.State.CLOSED).exists()
+
+
+@pytest.mark.parametrize("reserved", ["unacked_index", "runs"])
+def test_a_job_stored_with_a_reserved_queue_ends_dead_and_publishes_nothing(granted: Any, reserved: str) -> None:
+    """A job written before its queue's name was refused (or straight to the table):
+    its run names the refusal and the broker key is left as it was. On 75cfded the
+    publish to `unacked_index` turned kombu's sorted set into a list."""
+    url = redis_broker()
+    job = task_job(granted, "reports")
+    Job.objects.filter(pk=job.pk).update(queue=reserved)
+    run = queue_now(job)
+    client = redis.Redis.from_url(url)
+    key = f"{reserved}-publish-test-{uuid.uuid4().hex[:6]}"
+    try:
+        with override_settings(SCHEDULER_TASK_BROKER_URL=url, CELERY_TASK_DEFAULT_QUEUE=key if reserved == "runs" else "runs"):
+            if reserved == "runs":
+                Job.objects.filter(pk=job.pk).update(queue=key)
+            kind_before = client.type(key if reserved == "runs" else reserved)
+            assert run_execute(run_id=run.pk, worker="w1") == "dead"
+            assert client.type(key if reserved == "runs" else reserved) == kind_before
+    finally:
+        client.delete(key)
+        client.close()
+    run.refresh_from_db()
+    assert run.status == S.DEAD and run.last_error.startswith("queue refused: ")
+    assert "published" not in types(run)
