@@ -1267,7 +1267,8 @@ def _tell_breakers(calls: list[Call], gates: dict[int, Gate], view: _BreakerView
         return clock[0]
 
     for host, group in by_host.items():
-        found = [(gates[c.run.pk].holder, c.result.retryable, c.result.describe()) for c in group if c.result]
+        found = [(gates[c.run.pk].holder, host_trouble(c.result, c.run.job), c.result.describe())
+                 for c in group if c.result]
         try:
             breakers.record_many(
                 host=host, found=found, now=now, nothing_to_reset=view is not None and view.nothing_to_reset(host),
@@ -1276,6 +1277,19 @@ def _tell_breakers(calls: list[Call], gates: dict[int, Gate], view: _BreakerView
             logger.warning("could not record the calls' results on %s's breaker", host, exc_info=True)
         if view is not None and any(failed for _, failed, _ in found):
             view.forget()
+
+
+def host_trouble(result: CallResult, job: Job) -> bool:
+    """Does this call's result count towards its host's breaker? Trouble (no answer,
+    408, 429, a 5xx), except a timeout shorter than SCHEDULER_BREAKER_MIN_TIMEOUT: a
+    job's own short timeout is its owner's choice, not the host's trouble, and it
+    opened the breaker for every other service calling that host (a 1 s timeout
+    against a host answering in 3 s, six runs, held the other services' runs 30 s,
+    renewable at will). The call is still retried under the job's own policy."""
+    if not result.retryable:
+        return False
+    timed_out = result.status is None and result.error.startswith(delivery.TIMED_OUT)
+    return not (timed_out and job.timeout_seconds < settings.SCHEDULER_BREAKER_MIN_TIMEOUT)
 
 
 def _signer_for(job: Job) -> delivery.Signer | None:

@@ -453,6 +453,10 @@ SCHEDULER_BULKHEAD_PREFIX = env_str("SCHEDULER_BULKHEAD_PREFIX") or "scheduler:b
 # probe through after the cooldown (seconds, jittered).
 SCHEDULER_BREAKER_FAILURES = env_int("SCHEDULER_BREAKER_FAILURES", 5)
 SCHEDULER_BREAKER_COOLDOWN = env_int("SCHEDULER_BREAKER_COOLDOWN", 30)
+# A timeout counts towards the host's breaker only when the job waited at least this
+# long (seconds): a shorter `timeout` is the job's own choice, and must not open the
+# breaker for the other services calling that host. The job's default timeout.
+SCHEDULER_BREAKER_MIN_TIMEOUT = env_int("SCHEDULER_BREAKER_MIN_TIMEOUT", 30)
 SCHEDULER_SIGNING_OVERLAP = env_str("SCHEDULER_SIGNING_OVERLAP", "24h")
 # Limits (docs/security.md): jobs a service may have (deleted ones do not count), and
 # the shortest gap a cron schedule may have between two runs ("1m": any 5-field cron).

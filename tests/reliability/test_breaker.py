@@ -148,3 +148,33 @@ def test_breaker_states_gives_the_admin_every_host() -> None:
     TargetBreaker.objects.create(host="b.internal")
     rows = breakers.breaker_states()
     assert [(r["host"], r["state"]) for r in rows] == [("a.internal", "half_open"), ("b.internal", "closed")]
+
+
+@override_settings(SCHEDULER_BREAKER_FAILURES=2, SCHEDULER_BREAKER_COOLDOWN=30)
+def test_a_jobs_own_short_timeout_does_not_open_the_hosts_breaker_for_other_services(
+    target: LoopbackTarget, service: Any, other_service: Any,
+) -> None:
+    """On 75cfded one service's job with `timeout: 1s` against a host answering in 1.5 s,
+    run a few times, opened the host's breaker: the other service's next run was
+    `held_by_breaker` for the cooldown. A timeout shorter than
+    SCHEDULER_BREAKER_MIN_TIMEOUT (30 s) is the job's own: retried under its policy,
+    never the host's trouble. A host that keeps a long enough timeout waiting is."""
+    target.delay("/slow", 1.5)
+    now = timezone.now().replace(microsecond=0)
+    impatient = make_job(service.user, target=target.url("/slow"), timeout_seconds=1, retry_max=5,
+                         retry_base_seconds=1, retry_cap_seconds=2)
+    for i in range(3):
+        run = make_run(impatient, now - timedelta(minutes=i), status=S.QUEUED, queued_at=now)
+        assert run_execute(run_id=run.pk) == "retry_scheduled"
+        Run.objects.filter(pk=run.pk).update(status=S.SKIPPED, finished_at=timezone.now())
+    assert not TargetBreaker.objects.filter(host=target_host(target.url("/slow")), failures__gt=0).exists()
+    bystander = make_job(other_service.user, target=target.url("/fast"), name="bystander")
+    run = make_run(bystander, now, status=S.QUEUED, queued_at=now)
+    assert run_execute(run_id=run.pk) == "succeeded"
+
+    with override_settings(SCHEDULER_BREAKER_MIN_TIMEOUT=1):
+        for i in range(3, 5):
+            run = make_run(impatient, now - timedelta(minutes=i), status=S.QUEUED, queued_at=now)
+            assert run_execute(run_id=run.pk) == "retry_scheduled"
+            Run.objects.filter(pk=run.pk).update(status=S.SKIPPED, finished_at=timezone.now())
+    assert breaker(target.url("/slow")).state == B.OPEN
