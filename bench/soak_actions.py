@@ -12,7 +12,7 @@ each took effect, its paused intervals, and when it was deleted. From that histo
   set that timing, before its deletion, with t + window no later than the cutoff,
   must have a run that started;
 - a time that fell while the job was paused, or whose run a pause held, is due once
-  the job is resumed: CONTRACT.md says resuming applies the misfire policy, so under
+  the job is resumed: resuming applies the misfire policy (docs/reference.md), so under
   `skip` and `run_once` a `skipped` row with a misfire reason answers for it too
   (`run_all` runs every missed time); a pause never resumed leaves it undue;
 - a user action may end a time's run before it starts: a run cancelled by a delete

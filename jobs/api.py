@@ -1,7 +1,7 @@
 """The REST API under /api/: thin DRF views over jobs.services (writes) and
 jobs.selectors (reads, scoped to the caller).
 
-Choices where the CONTRACT is silent:
+Choices made here, beyond the API fields in docs/reference.md:
 - `{id}` is `job_12` / `run_5` or a bare `12`; anything else, and another
   service's object, is 404 with the same words, so an id's existence never leaks.
 - PATCH on a deleted job is 409 Conflict ("job_12 is deleted ..."): the request

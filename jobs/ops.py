@@ -9,9 +9,10 @@ run due this very second) moves the extra run on by a second, so
 `(job, scheduled_for)` stays unique and each run keeps its own Idempotency-Key.
 
 `once_per_second=True` (the API's `POST /api/jobs/{id}/run/`) refuses instead a
-second manual run in the same second: the CONTRACT gives a manual run the key
-`<job id>@<now, whole seconds>`, and two calls in one second are a double submit,
-not two wishes; the caller is told which run already has that second.
+second manual run in the same second: a manual run's Idempotency-Key is
+`<job id>@<now, whole seconds>` (docs/reference.md, what a target receives), and
+two calls in one second are a double submit, not two wishes; the caller is told
+which run already has that second.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ sentences from `jobs.schedule` and `jobs.validators` so the API and the admin
 say the same thing. Nothing here writes: `JobSerializer.service_fields()` hands
 the checked values to `jobs.services`.
 
-Bounds chosen where the CONTRACT is silent (they are in the error texts too):
+Bounds chosen here, beyond the field rules in docs/reference.md (they are in the
+error texts too):
 window 0s..1d; delay 0s..365d; timeout 1s..1h; retry.max 0..100;
 retry.base 1s..1d; retry.cap 1s..7d and at least base; every 1s..366d;
 starts_at / ends_at from 1970 to 100 years ahead; a schedule list at most 10
@@ -71,7 +72,7 @@ _DURATION_PATTERN = r"^[0-9]+[smhd]$"
 
 
 def iso_z(value: datetime) -> str:
-    """ISO 8601 UTC with a Z, whole seconds (the CONTRACT's one time format)."""
+    """ISO 8601 UTC with a Z, whole seconds (the API's one time format)."""
     return value.astimezone(UTC).strftime(TIME_FORMAT)
 
 

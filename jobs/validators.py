@@ -350,7 +350,7 @@ _TOKEN_RE = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 # and a target may read as anything) and no control character (a line break would
 # start a header of its own).
 _FIELD_VALUE_RE = re.compile(r"[\t\x20-\x7e]*")
-# The worker sets these on every call (CONTRACT "What a target receives"): a job's
+# The worker sets these on every call (docs/reference.md, what a target receives): a job's
 # own value would be overwritten, so refusing it up front says so instead.
 SET_BY_SCHEDULER = frozenset(
     {"idempotency-key", "x-fence-token", "x-run-id", "x-attempt", "x-scheduled-for", "x-signature"}

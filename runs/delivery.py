@@ -1,4 +1,5 @@
-"""The HTTP call to a target, and the headers the CONTRACT promises it."""
+"""The HTTP call to a target, and the headers every call carries (docs/reference.md,
+what a target receives)."""
 from __future__ import annotations
 
 import email.utils
@@ -286,7 +287,7 @@ def iso_z(value: datetime) -> str:
 
 @dataclass(frozen=True)
 class RunIdentity:
-    """What every call of a run carries (CONTRACT "What a target receives"): a URL
+    """What every call of a run carries (docs/reference.md, what a target receives): a URL
     target gets it as HTTP headers (build_request), a task target as message headers
     (runs.publishing). Worked out here only, so both carry the same values."""
 

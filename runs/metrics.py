@@ -120,7 +120,7 @@ def with_lateness(runs: QuerySet[Run], now: datetime) -> QuerySet[Run]:
 
 
 def late_q() -> Q:
-    """Late (CONTRACT's word): started after max(scheduled_for + window, due_at) +
+    """Late: started after max(scheduled_for + window, due_at) +
     SCHEDULER_MISFIRE_GRACE, or waiting (not held) and past that now. Needs with_lateness."""
     grace = grace_seconds()
     return Q(_late_ref__isnull=False, _late_sched__gt=F("job__window_seconds") + grace, _late_due__gt=grace)

@@ -54,7 +54,7 @@ USER_AGENT = f"{delivery.USER_AGENT} notices"
 def notice_row(*, job: Job, kind: str, run: Run | None = None, reason: str = "", now: datetime | None = None
                ) -> Notice | None:
     """The outbox row for one event, or None when the job's `notify_on` leaves this
-    kind out. `paused` is always told (CONTRACT: the owner is told)."""
+    kind out. `paused` is always told: the owner is told whatever `notify_on` says."""
     if kind in (K.DEAD, K.SKIPPED) and kind not in (job.notify_on or []):
         return None
     now = now or timezone.now()

@@ -11,7 +11,7 @@ Choices where the brief was open (docs/admin.md says the same for operators):
   misfire and never create a next run: exactly what a re-try of an old time needs.
 - It keeps its id, scheduled_for (so the same Idempotency-Key) and fence: the next
   claim raises the fence, which shuts out any old holder. Its `attempt` goes on
-  rising (X-Attempt goes up by one per call, as the CONTRACT says), while
+  rising (X-Attempt goes up by one per call, docs/reference.md, what a target receives), while
   `attempt_base` records the calls made so far, so the job's retry policy applies
   afresh; the `requeued` event keeps the earlier count (`previous_attempts`).
 - A dead run of a paused or deleted job is not requeued (it would sit held, or

@@ -25,7 +25,7 @@ partition [start, end) of the history holds the ended runs scheduled in that spa
   cutoff keeps its whole partition until it is old enough; a row with no
   `finished_at` counts as finished at its scheduled time), and its events' twin with
   it. Its runs' notices go first, read by the runs' id range and the partition's key.
-  Open runs are never in such a partition, so CONTRACT.md's rule (never an open run)
+  Open runs are never in such a partition, so prune_runs' rule (never an open run)
   holds by construction for the runs. An open run of the span (a job paused for
   longer than the retention, a backfill of an old time) has its events in the twin:
   they are moved to the default first (`drop`: the twin detached, their rows copied

@@ -419,7 +419,7 @@ ZOOKEEPER_HOSTS = env_str("ZOOKEEPER_HOSTS")
 # that goes with them is shorter.
 STORE_IS_SQLITE = DATABASES["default"]["ENGINE"].endswith("sqlite3")
 
-# The scheduler's own knobs (CONTRACT.md's table, plus a few of ours).
+# The scheduler's own knobs (the settings table in docs/reference.md).
 SCHEDULER_LEASE_SECONDS = env_int("SCHEDULER_LEASE_SECONDS", 60)
 SCHEDULER_SCAN_INTERVAL = float(env_str("SCHEDULER_SCAN_INTERVAL", "1") or 1)
 # Seconds ahead of its due time a run may be queued and published: the scan, the

@@ -34,7 +34,7 @@ urlpatterns = [
     # The split view serves Swagger UI's start-up script as its own request (?script=),
     # not inline: the Content-Security-Policy allows no inline script (settings.py).
     path("api/docs/", SpectacularSwaggerSplitView.as_view(url_name="schema"), name="docs"),
-    # Prometheus text format (CONTRACT "Operations surface"); SCHEDULER_METRICS_TOKEN, if set, guards it.
+    # Prometheus text format; SCHEDULER_METRICS_TOKEN, if set, guards it.
     path("metrics", metrics_view, name="metrics"),
 ]
 

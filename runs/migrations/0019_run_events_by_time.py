@@ -9,7 +9,7 @@ RANGE (scheduled_for)`, with the same spans as the runs history's time partition
 time (`runs.kept_for`), so a run's events sit in the partition of the same span as its
 ended row, and a whole old span goes with two DROPs instead of a DELETE of its events.
 An open run's events sit in its span's partition too; prune_runs moves them out before
-dropping it (runs.partitions.drop), so CONTRACT.md's rule (never an open run) keeps its
+dropping it (runs.partitions.drop), so prune_runs' rule (never an open run) keeps its
 timeline too.
 
 A unique index of a partitioned table must hold its key: the primary key is (id,

@@ -1,4 +1,4 @@
-"""The REST API, as a service sees it (CONTRACT "REST API")."""
+"""The REST API, as a service sees it (docs/reference.md, the API fields)."""
 from __future__ import annotations
 
 import json

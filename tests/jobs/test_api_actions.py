@@ -1,5 +1,5 @@
-"""`POST /api/jobs/{id}/run/` and `POST /api/runs/{id}/retry/` (CONTRACT "Two more,
-for services"): the admin's run-now and requeue, for services, over the same services."""
+"""`POST /api/jobs/{id}/run/` and `POST /api/runs/{id}/retry/`: the admin's
+run-now and requeue, for services, over the same services."""
 from __future__ import annotations
 
 from collections.abc import Iterator

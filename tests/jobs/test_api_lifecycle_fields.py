@@ -1,5 +1,5 @@
 """The API's run-lifecycle fields: `overlap`, `pause_after_failures`, `paused_until`
-(CONTRACT "Job body"). A bad value is a 400 naming the field, and nothing is written."""
+(docs/reference.md, the API fields). A bad value is a 400 naming the field, and nothing is written."""
 from __future__ import annotations
 
 from typing import Any

@@ -39,7 +39,7 @@ headers = st.dictionaries(header_names, header_values, max_size=4)
 bodies = st.dictionaries(st.sampled_from(FIELDS), json_values | plausible, max_size=6) | st.builds(
     lambda h: {"schedule": "0 2 * * *", "headers": h}, headers
 )
-# What the scheduler never lets a job send (CONTRACT "headers").
+# What the scheduler never lets a job send (docs/reference.md, the API fields: headers).
 NOT_SENDABLE = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "te", "trailer", "upgrade"}
 
 

@@ -1,4 +1,4 @@
-"""Celery task targets through the API and the admin's commands (CONTRACT "Job body": task)."""
+"""Celery task targets through the API and the admin's commands (docs/reference.md, the API fields: task)."""
 from __future__ import annotations
 
 from typing import Any

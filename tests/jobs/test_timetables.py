@@ -1,5 +1,5 @@
 """The timetable kinds through the API and the run rows: every, starts_at/ends_at,
-a list of cron expressions, exclude (CONTRACT "Job body")."""
+a list of cron expressions, exclude (docs/reference.md, the API fields)."""
 from __future__ import annotations
 
 from collections.abc import Iterator

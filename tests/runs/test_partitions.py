@@ -156,8 +156,8 @@ def test_a_partition_holding_a_run_that_finished_after_the_cutoff_is_kept_whole_
 
 
 def test_the_command_prunes_such_a_partitions_old_runs_row_by_row_and_keeps_the_late_one() -> None:
-    """`prune_runs --older-than` (CONTRACT.md: it deletes the finished runs older than
-    that) drops what it can whole, then deletes every old run left, by rows."""
+    """`prune_runs --older-than` (docs/reference.md, commands: it deletes the finished runs
+    older than that) drops what it can whole, then deletes every old run left, by rows."""
     now = timezone.now()
     job = make_job()
     day = partitions.span_at(now - timedelta(days=120))
@@ -367,7 +367,7 @@ def open_run_with_events(job: Any, when: Any) -> Run:
 
 
 def test_prune_drops_the_events_twin_whole_and_keeps_the_events_of_an_open_run_of_that_span() -> None:
-    """Never an open run (CONTRACT.md), nor its timeline: the events of the span's open
+    """Never an open run (prune_runs' rule), nor its timeline: the events of the span's open
     runs are moved to the default before the twin is dropped."""
     now = utc("2026-12-06T10:00:00Z")
     day = partitions.span_at(utc("2026-08-01T00:00:00Z"))
