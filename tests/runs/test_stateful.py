@@ -155,9 +155,8 @@ class ChosenAnswerTarget(LoopbackTarget):
 
 # What each example did (note), and in how many examples each thing happened: printed
 # at the end of the run, and the rules added with the overlap, list, delete-while-paused
-# and retry features must each fire in at least one example in 20. They fire in 10 to
-# 45% of a CI run's examples (a dead run retried, the rarest, needs a dead run first:
-# 9.4% of 224 in one CI run), so the floor catches a rule that stopped firing, not chance.
+# and retry features must each fire in at least a tenth of the examples (a dead run
+# retried, the rarest, needs a dead run first; it picks a live job's when there is one).
 FIRED: set[str] = set()
 FIRED_IN: Counter[str] = Counter()
 MUST_FIRE = ("a job with a schedule list", "a job deleted while paused until a time", "a dead run retried",
@@ -584,7 +583,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         dead = dead_runs()
         if not dead:
             return
-        run = dead[-1] if newest else dead[0]  # not drawn from the store's rows: hypothesis replays draws
+        # Not drawn from the store's rows (hypothesis replays draws): the newest dead run,
+        # whatever its job's state (a paused or deleted job's refusal is checked), or the
+        # oldest of a live job's, so that a retry is made in most examples that reach here.
+        live = [r for r in dead if not (self.model[r.job_id].deleted or self.model[r.job_id].paused)]
+        run = dead[-1] if newest or not live else live[0]
         mj = self.model[run.job_id]
         try:
             retried = run_ops.run_retry(run=run, now=self.now())
@@ -926,7 +929,7 @@ def check_excluded_times_are_skipped(mj: ModelJob, rows: list[Run], timeline: di
 
 def check_misfire_grace(mj: ModelJob, rows: list[Run]) -> None:
     """A time is missed only once it is past its own window plus the grace:
-    max(scheduled_for + window, due_at) + SCHEDULER_MISFIRE_GRACE (CONTRACT.md)."""
+    max(scheduled_for + window, due_at) + SCHEDULER_MISFIRE_GRACE (docs/reference.md, settings)."""
     grace = timedelta(seconds=django_settings.SCHEDULER_MISFIRE_GRACE)
     for run in rows:
         if run.status != S.SKIPPED or run.finished_at is None or run.last_error.startswith(IN_FLIGHT):
@@ -1071,8 +1074,8 @@ def test_edits_pauses_deletes_and_the_run_path_keep_both_promises(target: Chosen
     print(f"\n{ran} examples; in how many each happened:")
     for what, count in sorted(FIRED_IN.items(), key=lambda item: -item[1]):
         print(f"  {count:5d} ({100 * count / ran:5.1f}%)  {what}")
-    rare = {what: FIRED_IN[what] for what in MUST_FIRE if FIRED_IN[what] < ran / 20}
-    assert not rare, f"fired in under one in 20 of the {ran} examples: {rare}"
+    rare = {what: FIRED_IN[what] for what in MUST_FIRE if FIRED_IN[what] < ran / 10}
+    assert not rare, f"fired in under a tenth of the {ran} examples: {rare}"
 
 
 def test_the_ci_profile_runs_at_least_200_examples_and_the_long_one_5000() -> None:
