@@ -80,9 +80,26 @@ def test_a_backfill_from_before_the_job_existed_is_refused_naming_when_it_was_cr
         backfill(job.public_id, "--since", "2026-10-28T10:30:00Z", "--until", "2026-10-28T12:30:00Z")
     assert str(refused.value) == (
         f"--since 2026-10-28T10:30:00Z is before {job.public_id} was created (2026-10-28T12:30:00Z); "
-        "give --since 2026-10-28T12:30:00Z or later"
+        "give --since 2026-10-28T12:30:00Z or later, or --before-created to fill the times before it too"
     )
     assert not Run.objects.filter(job=job, is_backfill=True).exists()
+
+
+@time_machine.travel("2026-10-28T12:30:00Z", tick=False)
+def test_before_created_fills_the_times_before_the_job_existed_once(service: Any) -> None:
+    """A migration's gap: the job was made at 12:30, the old scheduler stopped at 10:00."""
+    job = job_create(
+        owner=service.user,
+        fields={"name": "moved", "schedule": "0 * * * *", "target": "http://127.0.0.1:9/h"},
+        now=utc("2026-10-28T12:30:00Z"),
+    )
+    args = (job.public_id, "--since", "2026-10-28T10:00:00Z", "--until", "2026-10-28T12:30:00Z", "--before-created")
+    assert "would create 3 runs from 2026-10-28T10:00:00Z to 2026-10-28T12:00:00Z" in backfill(*args, "--dry-run")
+    assert not Run.objects.filter(job=job, is_backfill=True).exists()
+    assert "created 3 runs" in backfill(*args)
+    times = sorted(Run.objects.filter(job=job, is_backfill=True).values_list("scheduled_for", flat=True))
+    assert times == [utc("2026-10-28T10:00:00Z"), utc("2026-10-28T11:00:00Z"), utc("2026-10-28T12:00:00Z")]
+    assert "created 0 runs" in backfill(*args) and Run.objects.filter(job=job, is_backfill=True).count() == 3
 
 
 @time_machine.travel("2026-10-28T12:30:00Z", tick=False)

@@ -1,4 +1,4 @@
-"""`python manage.py backfill JOB_ID --since T --until T [--dry-run]`."""
+"""`python manage.py backfill JOB_ID --since T --until T [--before-created] [--dry-run]`."""
 
 from __future__ import annotations
 
@@ -25,18 +25,24 @@ class Command(BaseCommand):
         parser.add_argument("job_id", metavar="JOB_ID", help="the job, as job_12 or 12")
         parser.add_argument(
             "--since", required=True, metavar="T",
-            help="first time to fill, ISO 8601 UTC like 2026-10-01T00:00:00Z; not before the job was created",
+            help="first time to fill, ISO 8601 UTC like 2026-10-01T00:00:00Z; not before the job was created "
+                 "unless --before-created is given",
         )
         parser.add_argument(
             "--until", required=True, metavar="T", help="end of the range (not included), ISO 8601 UTC; capped at now"
         )
+        parser.add_argument(
+            "--before-created", action="store_true",
+            help="also fill times before the job was created (a migration's gap, a past DST night)",
+        )
         parser.add_argument("--dry-run", action="store_true", help="say what would be created, create nothing")
 
-    def handle(self, *args: Any, job_id: str, since: str, until: str, dry_run: bool, **options: Any) -> None:
+    def handle(self, *args: Any, job_id: str, since: str, until: str, dry_run: bool, before_created: bool = False,
+               **options: Any) -> None:
         job = get_job(job_id)
         start, end = parse_utc("--since", since), parse_utc("--until", until)
         try:
-            plan = backfill_plan(job=job, since=start, until=end, now=timezone.now())
+            plan = backfill_plan(job=job, since=start, until=end, now=timezone.now(), before_created=before_created)
         except BackfillError as exc:
             raise CommandError(str(exc)) from exc
         verb = "would create" if dry_run else "created"
@@ -55,7 +61,8 @@ class Command(BaseCommand):
                 via="command",
                 action="backfilled",
                 obj=job,
-                detail={"runs": made, "since": iso_z(start), "until": iso_z(end)},
+                detail={"runs": made, "since": iso_z(start), "until": iso_z(end),
+                        **({"before_created": True} if before_created else {})},
             )
         self.stdout.write(f"{job.public_id}: {verb} {_runs(made)}{span}; {_existing(plan.existing)}")
 
