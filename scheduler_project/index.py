@@ -14,6 +14,8 @@ from rest_framework.response import Response
 from rest_framework.reverse import reverse
 from rest_framework.views import APIView
 
+from scheduler_project.version import VERSION
+
 LINKS = {
     "jobs": "job-list",
     "runs": "run-list",
@@ -36,6 +38,7 @@ class ApiRoot(APIView):
         links["dead_runs"] += "?status=dead"
         return Response(
             {
+                "version": VERSION,
                 "authentication": "Every call but this index, the schema and the docs needs "
                 "`Authorization: Token <token>` (python manage.py create_service_token NAME makes one).",
                 "links": links,

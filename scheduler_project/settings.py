@@ -293,6 +293,7 @@ TEMPLATES = [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
+                "scheduler_project.version.version_context",
             ],
         },
     },
