@@ -36,8 +36,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.db.models import QuerySet
+from django.utils import timezone
 from drf_spectacular.openapi import AutoSchema
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import (
@@ -60,7 +61,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.serializers import BaseSerializer
 
-from jobs import selectors, services
+from jobs import create_keys, selectors, services
 from jobs.code import code_owned_refusal
 from jobs.audit import audit_record, client_address
 from jobs.ops import TriggerRefused, job_trigger
@@ -214,7 +215,16 @@ def paginated(view: viewsets.GenericViewSet, runs: QuerySet[Run]) -> Response:
 
 @extend_schema_view(
     list=extend_schema(summary="The caller's jobs, newest first"),
-    create=extend_schema(summary="Create a job and its first run", responses={201: JobSerializer}),
+    create=extend_schema(
+        summary="Create a job and its first run",
+        description="With an Idempotency-Key header, the same key from the same service within 24 h replays the "
+        "first answer (header Idempotent-Replayed: true) and creates nothing; the key with another body is a 422.",
+        parameters=[OpenApiParameter(
+            create_keys.HEADER, OpenApiTypes.STR, OpenApiParameter.HEADER, required=False,
+            description="1 to 255 visible ASCII characters, e.g. a UUID: a retried create makes one job.",
+        )],
+        responses={201: JobSerializer, 422: OpenApiResponse(ERROR, description="The key was used for another body.")},
+    ),
     retrieve=extend_schema(summary="One job", parameters=[JOB_ID], responses={200: JobSerializer, 404: NOT_FOUND}),
     partial_update=extend_schema(
         summary="Change a job; {\"paused\": true/false} pauses or resumes it",
@@ -265,12 +275,29 @@ class JobViewSet(viewsets.GenericViewSet):
 
     def create(self, request: Request) -> Response:
         body = require_object_body(request)
+        key = create_keys.key_of(request)
+        now = timezone.now()
+        digest = create_keys.body_digest(body) if key is not None else ""
+        if key is not None:
+            replayed = create_keys.replay(request.user, key, digest, now)
+            if replayed is not None:
+                return replayed
         serializer = self.get_serializer(data=body)
         serializer.is_valid(raise_exception=True)
-        with transaction.atomic():  # the job and its audit entry, or neither
-            job = call_service(services.job_create, owner=request.user, fields=serializer.service_fields())
-            audit(request, "created", job, {"fields": sorted(body)})
-        return Response(self.get_serializer(job).data, status=status.HTTP_201_CREATED)
+        try:
+            with transaction.atomic():  # the job, its audit entry and its key, or none of them
+                job = call_service(services.job_create, owner=request.user, fields=serializer.service_fields())
+                audit(request, "created", job, {"fields": sorted(body)})
+                answer = self.get_serializer(job).data
+                if key is not None:
+                    create_keys.keep(request.user, key, digest, job, answer, now)
+        except IntegrityError:
+            # The same key's create committed first, while this one ran: its answer.
+            replayed = create_keys.replay(request.user, key, digest, now) if key is not None else None
+            if replayed is None:
+                raise
+            return replayed
+        return Response(answer, status=status.HTTP_201_CREATED)
 
     def retrieve(self, request: Request, id: str) -> Response:
         return Response(self.get_serializer(self.get_object()).data)

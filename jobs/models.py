@@ -261,3 +261,25 @@ class ServiceToken(models.Model):
 
     def __str__(self) -> str:
         return f"{self.prefix}…"
+
+
+class CreateKey(models.Model):
+    """An `Idempotency-Key` a service sent with `POST /api/jobs/`, and the answer it got:
+    the same key from the same service within CREATE_KEY_HOURS replays that answer and
+    creates nothing (jobs.api). Written in the job's own transaction, so a create that
+    committed has its key, and a retry after a dropped connection finds it."""
+
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+")
+    key = models.CharField(max_length=255)
+    body_sha256 = models.CharField(max_length=64)  # of the request body as parsed, keys sorted
+    job = models.ForeignKey(Job, null=True, on_delete=models.SET_NULL, related_name="+")
+    answer = models.JSONField()  # the 201's body
+    created_at = models.DateTimeField()
+
+    class Meta:
+        db_table = "job_create_keys"
+        constraints = [models.UniqueConstraint(fields=["owner", "key"], name="job_create_keys_owner_key")]
+        indexes = [models.Index(fields=["created_at"], name="job_create_keys_created")]
+
+
+CREATE_KEY_HOURS = 24
