@@ -477,7 +477,7 @@ def validate_queue(name: str) -> str:
 # the scheduler's run queue. The tasks broker defaults to the run queue's server, so
 # these stay refused whatever SCHEDULER_TASK_BROKER_URL says.
 RESERVED_QUEUES = ("runs", DEFAULT_QUEUE, "celeryev")
-RESERVED_QUEUE_PREFIXES = ("unacked", "_kombu.", "celeryev.", "celery.")
+RESERVED_QUEUE_PREFIXES = ("unacked", "_kombu.", "celeryev.", "celery.", "amq.")  # amq.*: RabbitMQ's own
 RESERVED_QUEUE_SUFFIXES = (".pidbox",)
 
 

@@ -265,7 +265,8 @@ def test_a_grant_stored_before_the_refusal_names_no_reserved_task(service: Servi
 
 
 @pytest.mark.parametrize("queue", ["runs", "RUNS", "celery", "celeryev", "celeryev.abc", "unacked", "unacked_index",
-                                   "unacked_mutex", "_kombu.binding.celery", "celery.pidbox", "w1.reply.celery.pidbox"])
+                                   "unacked_mutex", "_kombu.binding.celery", "celery.pidbox", "w1.reply.celery.pidbox",
+                                   "amq.direct", "amq.gen-abc"])
 def test_a_task_job_may_not_name_the_schedulers_queue_or_a_broker_key(service: Service, queue: str) -> None:
     """On 75cfded `queue: "unacked_index"` made the publish turn the Redis key kombu's
     worker keeps its unacked index in into a list: the scheduler's worker exited with
