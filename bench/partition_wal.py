@@ -19,7 +19,7 @@ here to the shape of today's (runs/claims.py, scanners/scan.py, runs/services.py
   `fillfactor = 50`: both updates can be HOT, only the outcome writes index entries.
 - `stage`: as `hot`, but the index of open runs tells waiting runs from runs in flight
   (a generated `stage`), so the queueing still writes entries and only the claim is HOT.
-- `split`: the design in docs/performance.md ("Issue 18's partitions"): the same columns
+- `split`: the design in docs/performance.md: the same columns
   and an `ended_key` (`'infinity'` while open), `PARTITION BY RANGE (ended_key)`; an
   open partition with the indexes the hot path reads (its key, the open run per job, the
   due, queued and lease indexes) and a day partition with its key, (job, scheduled_for)

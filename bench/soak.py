@@ -19,7 +19,7 @@ while faults are injected at random, each kind about as often as the others:
   target_errors  one target host answers 503 for a while
   duplicate_delivery  every running run's message delivered again (brokers deliver at least once)
 
-and since issue 19 (docs/reliability.md, "The soak under load"), each where the layout takes it:
+and since issue 19 (docs/reliability.md, "The soak"), each where the layout takes it:
 
   zk_leader_kill, zk_follower_kill   kill -9 of an ensemble node, started again (--zk-nodes 3)
   zk_quorum_loss the leader and a follower killed past a session, then started: scanning must stop

@@ -12,7 +12,7 @@ a slot whose worker died frees itself when it runs out. Two stores, one meaning:
   slot in `target_slots`; the unique (host, slot) pair makes taking one an
   insert that either wins or fails, on PostgreSQL and SQLite alike.
 
-Slot times are in the store's clock (docs/reliability.md, "One clock: the store's"):
+Slot times are in the store's clock (docs/reliability.md, "Clock skew"):
 the worker's `now` comes from runs.claims.store_now, once per batch and per
 heartbeat, so in Redis too every score is in PostgreSQL's clock, whichever
 worker wrote it. Redis's own TIME would be a second clock, and a slot's times

@@ -592,9 +592,9 @@ def in_flight(up_to: datetime | None = None) -> Q:
 # scanner knows it. runs_due_idx_open orders waiting runs and runs in flight together,
 # by due time; in a backlog the waiting runs due are all above the last run the scanner
 # took, so a read bounded by it reads the runs in flight and not the backlog (which a
-# read bounded by the clock alone read whole, three times a second: docs/performance.md,
-# "Issue 18, step 8"). NO_CEILING: not known, read up to in_flight_due_bound;
-# NONE_IN_FLIGHT: the partition has no run in flight.
+# read bounded by the clock alone read whole, three times a second: docs/performance.md).
+# NO_CEILING: not known, read up to in_flight_due_bound; NONE_IN_FLIGHT: the partition
+# has no run in flight.
 NO_CEILING = (datetime.max.replace(tzinfo=dt_timezone.utc), 2**63 - 1)
 NONE_IN_FLIGHT = (datetime(1, 1, 1, tzinfo=dt_timezone.utc), 0)
 

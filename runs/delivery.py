@@ -90,7 +90,7 @@ class CallPool:
     threads as it has calls in flight, and a thread left idle for `idle_seconds` ends:
     the threads a burst made (a slow host, a backlog) go once it is over, and with them
     their stacks and their share of the allocator, where a ThreadPoolExecutor keeps every
-    thread it ever made (docs/reliability.md: the worker children's memory). Calls over
+    thread it ever made (docs/performance.md, "Memory"). Calls over
     the limit wait in order for a thread."""
 
     def __init__(self, limit: int, *, idle_seconds: float = IDLE_THREAD_SECONDS, name: str = "call",

@@ -15,7 +15,8 @@ from jobs.public_ids import format_id
 
 
 # Run.kept_for of an open run: past any scheduled time, so that the open runs sit
-# apart from the history of ended ones (docs/performance.md, "Issue 18, step 3").
+# apart from the history of ended ones (docs/performance.md, "The store at scale:
+# the due read, retention, growth").
 OPEN_KEPT_FOR = datetime(9999, 12, 31, tzinfo=dt_timezone.utc)
 # The same, for PostgreSQL statements written by hand: naming it lets the planner read
 # the open runs' partition alone (migration runs 0015), not every day of the history.
@@ -66,7 +67,7 @@ class RunQuerySet(models.QuerySet):
         Setting it here rather than in a BEFORE UPDATE trigger matters on PostgreSQL:
         a table with such a trigger has every updated row locked first, one WAL record
         a row, whether the trigger fires or not (the claim and the outcome paid 54
-        bytes a run each; docs/performance.md, "Issue 18, step 7")."""
+        bytes a run each; docs/performance.md, "What a run does")."""
         if any(name in kwargs for name in KEPT_FOR_FROM):
             kwargs["kept_for"] = kept_for_expression(
                 kwargs.get("status", models.F("status")), kwargs.get("scheduled_for", models.F("scheduled_for")))
@@ -155,7 +156,7 @@ class Run(models.Model):
     # due_at), the history the rest), so the queueing (scheduled to queued) and the
     # claim (queued to running) are HOT updates: a new version on the same page and no
     # index entry (an index names a column also by its predicate). Only a run's insert
-    # and its end write index entries (docs/performance.md, "Issue 18").
+    # and its end write index entries (docs/performance.md, "What a run does").
     stage = models.GeneratedField(
         expression=models.Case(
             models.When(status="scheduled", then=models.Value("waiting")),

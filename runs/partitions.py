@@ -1,5 +1,5 @@
-"""The runs history in partitions by time (PostgreSQL; issue 18, docs/performance.md
-"Issue 18, step 6").
+"""The runs history in partitions by time (PostgreSQL; issue 18, docs/performance.md,
+"The store at scale: the due read, retention, growth").
 
 Migration runs 0015 makes `runs` `PARTITION BY RANGE (kept_for)`: `runs_open` holds
 every open run (key `9999-12-31`), and the DEFAULT partition `runs_history` every

@@ -175,8 +175,9 @@ def publish(message: TaskMessage, *, timeout_seconds: float) -> CallResult:
 # Connections to the tasks broker, kept per process, broker URL and timeout (the
 # timeout is the connection's: connect, socket and confirm): a new connection per
 # publish costs about ten times the publish itself (4 ms against 0.4 ms on Redis,
-# docs/performance.md `beat`). A connection that failed is closed and replaced, never
-# handed out again; the worker's call threads each take their own from the pool.
+# docs/performance.md, "Against celery beat"). A connection that failed is closed and
+# replaced, never handed out again; the worker's call threads each take their own from
+# the pool.
 _pools: dict[tuple[int, str, float], Any] = {}
 POOL_LIMIT = 64
 

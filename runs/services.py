@@ -451,7 +451,7 @@ def _one_offs_done(one_offs: list[Job]) -> set[int]:
     One read by the jobs and by the times, the pairs matched here: not an OR of a
     (job, time) pair a job, which PostgreSQL plans arm by arm over every partition of
     runs: 24 ms of planning for a batch of 200 one-offs, a tenth of a millisecond a run
-    at 100,000 one-offs due at once (docs/performance.md, "Issue 17 after issue 18")."""
+    at 100,000 one-offs due at once (docs/performance.md, "The 09:00 spike")."""
     if not one_offs:
         return set()
     wanted = {(job.pk, job.run_at) for job in one_offs}

@@ -4,7 +4,7 @@ The scanner publishes runs up to SCHEDULER_LOOKAHEAD ahead of their due time, an
 the batch waits for each (runs.services._Batch.run). Held in a prefork child, that
 wait occupied the child: at a steady rate each message held one for the look-ahead
 plus the span of its due times, so two children fell behind a stream they had the
-CPU for (docs/performance.md, "a waiting message holds a worker child"). Now the
+CPU for (docs/performance.md, "What a run does"). Now the
 child reads the message's runs, and when the first is not due yet it gives the rest
 of the batch (the waits, the claims, the calls, the outcomes) to one of this
 process's waiter threads and takes its next message. A message already due (a

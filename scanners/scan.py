@@ -230,7 +230,7 @@ def scan_once(
 # both, writes an index entry: migration runs 0017), the
 # earliest resume time of a paused job (jobs_paused_until_idx, which holds only jobs
 # with a resume time), and for the scanner of partition 0 the earliest pending
-# notice (notices_due_idx). docs/performance.md has their plans at 10^5 rows.
+# notice (notices_due_idx). docs/performance.md, "Idle", has what it costs.
 # The two parts on runs in flight read every one of them, up to SCHEDULER_MAX_QUEUED
 # and more at the highest rate, where the scanner wakes many times a second: they are
 # asked only when wakeups.FlightReads says so (each part in a CASE, whose subquery
@@ -304,12 +304,13 @@ SELECT (SELECT min(due_at) FROM runs WHERE status = 'scheduled' AND NOT held AND
 # the table; a bitmap scan does not, and visits every one again on every read. With
 # bitmaps the probe read 3,872 entries a partition for about 34 live runs and took 52 ms,
 # six times a second, at 985 runs/s: a third of a core of PostgreSQL (docs/performance.md,
-# "Issue 18, step 7"). And never a sequential scan where an index serves: the reads of
-# runs in flight are a range of runs_due_idx_open up to the look-ahead (migration runs
-# 0017), and `due_at` moves with the clock past what the table's statistics last saw,
-# so that a minute after an ANALYZE the planner takes every open run for due and reads
-# the whole table (11 ms for 30,000 open runs, every scan) where the range holds a few
-# dozen. Set as startup options: no statement of its own.
+# "The store at scale: the due read, retention, growth"). And never a sequential scan
+# where an index serves: the reads of runs in flight are a range of runs_due_idx_open
+# up to the look-ahead (migration runs 0017), and `due_at` moves with the clock past
+# what the table's statistics last saw, so that a minute after an ANALYZE the planner
+# takes every open run for due and reads the whole table (11 ms for 30,000 open runs,
+# every scan) where the range holds a few dozen. Set as startup options: no statement
+# of its own.
 SCANNER_SESSION_OPTIONS = "-c enable_bitmapscan=off -c enable_seqscan=off"
 
 

@@ -6,9 +6,9 @@ HOT updates, which keep the entry its insert made: migration runs 0017). Until a
 the earliest due run (the probe's due part and the due read, both an index read per
 partition from the oldest due time up) step over every entry left since the last
 one: at 1,300 runs/s, a minute after a VACUUM, 12,000 buffers and 5 to 12 ms a read,
-against 86 buffers and 0.2 ms just after it (docs/performance.md, "Issue 17 after
-issue 18"). Autovacuum looks at a table at most once a `autovacuum_naptime` (a
-minute by default), and some servers run with it off.
+against 86 buffers and 0.2 ms just after it (docs/performance.md, "The store at
+scale: the due read, retention, growth"). Autovacuum looks at a table at most once
+a `autovacuum_naptime` (a minute by default), and some servers run with it off.
 
 So the scanner holding partition 0 counts the runs the scanners queue (its own,
 scaled by the share of the partitions it holds) and, once they pass

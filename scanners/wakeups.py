@@ -251,9 +251,9 @@ class Ceilings:
     time (migration runs 0017: neither the queueing nor the claim writes an index
     entry). A read of runs in flight bounded by the clock alone reads every waiting run
     due by then as well, and in a backlog that is all of it, on each read (the probe's
-    lease and queued parts and the back-pressure count; docs/performance.md, "Issue 18,
-    step 8"). The scanner takes waiting runs in (due time, id) order, so in a backlog
-    the waiting runs are above the last one it took.
+    lease and queued parts and the back-pressure count; docs/performance.md). The
+    scanner takes waiting runs in (due time, id) order, so in a backlog the waiting
+    runs are above the last one it took.
 
     `known` is read as it is (next_work's read_ceilings: each partition's last run in
     flight, one read through the backlog) when the partitions change, after a failed

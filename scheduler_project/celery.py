@@ -75,7 +75,8 @@ def _let_waiters_finish(**_: object) -> None:
 # A worker child is one interpreter running many threads: waiter threads that must
 # claim and call at a due time, call threads, and batches writing their outcomes
 # (tens of milliseconds of Python each). Two interpreter settings decide how long a
-# thread that is due waits behind the others (docs/performance.md, issue 17):
+# thread that is due waits behind the others (docs/performance.md, "Settings that
+# tune throughput"):
 # - CPython hands the GIL to a waiting thread only every switch interval (5 ms by
 #   default), and a wave waits for it at each of its steps (the bulkhead, the claim,
 #   the call): SCHEDULER_WORKER_SWITCH_INTERVAL.

@@ -431,7 +431,7 @@ SCHEDULER_SCAN_INTERVAL = float(env_str("SCHEDULER_SCAN_INTERVAL", "1") or 1)
 # fixed cost. 0.5 on PostgreSQL, whose workers wait on waiter threads
 # (SCHEDULER_WORKER_WAITERS): at about half the bench's highest rate, 0.1 made
 # messages of a few dozen runs, and the scanner spent 2.7 times and PostgreSQL 1.5
-# times the CPU a run they spend with 0.5 (docs/performance.md, issue 17).
+# times the CPU a run they spend with 0.5 (docs/performance.md, "Where the time goes").
 # 0.1 on the embedded SQLite file, where a waiting message holds its worker child.
 # 0: off.
 SCHEDULER_LOOKAHEAD = float(env_str("SCHEDULER_LOOKAHEAD", "0.1" if STORE_IS_SQLITE else "0.5") or 0)
@@ -479,7 +479,8 @@ SCHEDULER_SCAN_BATCH = env_int("SCHEDULER_SCAN_BATCH", 500)
 SCHEDULER_DISPATCH_BATCH = env_int("SCHEDULER_DISPATCH_BATCH", 200)
 # Calls one worker process keeps in flight at once (threads of its call pool, made
 # as needed). As many as a batch holds, so that a batch to a slow host goes out in
-# one round, not in several (docs/performance.md: 100 ms calls).
+# one round, not in several (docs/performance.md, "Slow targets, and a slow endpoint
+# beside a fast one").
 SCHEDULER_WORKER_CALLS = env_int("SCHEDULER_WORKER_CALLS", SCHEDULER_DISPATCH_BATCH)
 # 1: a worker child that has waited 0.25 s for its batch's calls hands those still in
 # flight to its process's writer thread and goes back for its next message, so a target
@@ -502,7 +503,7 @@ if SCHEDULER_SERVICE_CALLS < 0:
 # one child took nearly every message and its process ran most batches under one GIL
 # (77 to 88% of the worker's CPU at 900 runs/s); with one, a child whose waiter is
 # busy works its next message itself, and the one after goes to another child
-# (docs/performance.md, issue 17: the worker's children share the work).
+# (docs/performance.md, "Settings that tune throughput").
 SCHEDULER_WORKER_WAITERS = env_int(
     "SCHEDULER_WORKER_WAITERS", 0 if STORE_IS_SQLITE else 1)
 if SCHEDULER_WORKER_WAITERS < 0:

@@ -12,7 +12,7 @@ backwards, where nearly every row is one. So a run's last version adds no entry.
 
 `fillfactor = 80` keeps a fifth of each heap page free, so a run's updates (queued,
 running, done) land on its own page more often: no lock record for the move, and
-PostgreSQL logs only the changed part of the tuple (docs/performance.md, `store`).
+PostgreSQL logs only the changed part of the tuple (docs/performance.md, "What a run does").
 It applies to pages written from now on.
 """
 from django.db import migrations, models

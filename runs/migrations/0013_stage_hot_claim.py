@@ -7,8 +7,8 @@ An update is HOT (a new version on the same page, no new index entry) only when 
 index names a column it changes, by its keys or its predicate; every partial index
 named `status`, so each of a run's three updates wrote an entry in five indexes.
 Now the claim (queued to running: `flight` both) writes none; the queueing and the
-end still do. bench/partition_wal.py measured the shape (docs/performance.md, "Issue
-18"); `bench/run.py store` measures it through the system.
+end still do. bench/partition_wal.py measured the shape (docs/performance.md, "What a
+run does"); `bench/run.py store` measures it through the system.
 
 Adding a stored generated column rewrites `runs` under an ACCESS EXCLUSIVE lock (the
 same as any `ALTER TABLE ... ADD COLUMN ... STORED`): on PostgreSQL, minutes for tens

@@ -1,6 +1,6 @@
 """Run.kept_for: the key the history of ended runs is to be partitioned by (issue 18,
-docs/performance.md "Issue 18, step 3"): '9999-12-31' while a run is open, its
-scheduled_for once it has ended.
+docs/performance.md, "The store at scale: the due read, retention, growth"):
+'9999-12-31' while a run is open, its scheduled_for once it has ended.
 
 The model computes it on every insert and save; an UPDATE that changes `status` or
 `scheduled_for` and leaves `kept_for` to the store (`Run.objects.filter().update()`,

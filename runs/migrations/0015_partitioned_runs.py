@@ -1,4 +1,5 @@
-"""`runs` partitioned by `kept_for` (issue 18; docs/performance.md, "Issue 18, step 5").
+"""`runs` partitioned by `kept_for` (issue 18; docs/performance.md, "The store at scale:
+the due read, retention, growth").
 
 PostgreSQL only; the embedded SQLite file keeps the plain table, and Django's model
 state is unchanged (its constraints say what the store keeps, not how).

@@ -1,5 +1,5 @@
 """The BEFORE UPDATE trigger that kept Run.kept_for right (migration 0014) is gone
-(issue 18; docs/performance.md, "Issue 18, step 7").
+(issue 18; docs/performance.md, "What a run does").
 
 On PostgreSQL a table with a BEFORE UPDATE row trigger has every row an UPDATE touches
 locked before the trigger is even asked whether it fires (its WHEN and its column list

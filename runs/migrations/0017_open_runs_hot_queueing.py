@@ -1,5 +1,5 @@
 """The open runs' indexes name no column the queueing or the claim changes, so that both
-are HOT updates (issue 18; docs/performance.md, "Issue 18, step 8").
+are HOT updates (issue 18; docs/performance.md, "What a run does").
 
 PostgreSQL only; the embedded SQLite file and Django's model state are unchanged.
 

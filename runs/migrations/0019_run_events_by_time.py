@@ -1,5 +1,5 @@
 """`run_events` partitioned by its run's scheduled time (issue 18; docs/performance.md,
-"Issue 18, step 10").
+"The store at scale: the due read, retention, growth").
 
 Each event row carries its run's `scheduled_for` (`RunEvent.scheduled_for`), which
 never changes once the run is written. On PostgreSQL the table becomes `PARTITION BY

@@ -1,5 +1,5 @@
 """The worker's call threads: made as calls need them, given back when a burst is over,
-and one TLS context for all of them (docs/reliability.md: the worker children's memory)."""
+and one TLS context for all of them (docs/performance.md, "Memory")."""
 from __future__ import annotations
 
 import ssl

@@ -497,8 +497,8 @@ def test_a_cron_list_job_whose_next_time_is_taken_moves_on_to_the_next_time_of_t
 def test_which_one_offs_had_their_run_is_one_read_by_jobs_and_times_not_an_or_per_job(service: Any) -> None:
     """An OR of a (job, time) pair a one-off was planned arm by arm over every partition
     of runs: 24 ms of planning for 200 one-offs, a tenth of a millisecond of every run
-    when 100,000 one-offs came due at once (docs/performance.md, "Issue 17 after issue
-    18"). Now one read by the jobs and by the times, the pairs matched in Python, so a
+    when 100,000 one-offs came due at once (docs/performance.md, "The 09:00
+    spike"). Now one read by the jobs and by the times, the pairs matched in Python, so a
     run of one job at another one-off's time does not count."""
     from django.db import connection as conn
     from django.test.utils import CaptureQueriesContext

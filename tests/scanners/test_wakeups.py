@@ -226,7 +226,7 @@ def test_each_part_of_the_probe_is_a_read_of_its_own_index_at_a_hundred_thousand
 def test_a_probe_not_asked_for_the_runs_in_flight_does_not_read_them() -> None:
     """The probe's two parts on runs in flight read every one of them: at 1,400 runs/s,
     where a scanner probes many times a second, they made the probe the costliest
-    statement of a run (0.14 ms a run, docs/performance.md "Issue 17 after issue 18").
+    statement of a run (0.14 ms a run, docs/performance.md).
     Not asked (wakeups.FlightReads decides), PostgreSQL runs neither part: each is in a
     CASE whose branch is not taken."""
     fill(20_000)  # 2,000 queued and 2,000 running
