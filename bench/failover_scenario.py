@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import signal
 import time
 from datetime import datetime, timedelta, timezone
 from typing import Any

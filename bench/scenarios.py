@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import harness
-from bench.harness import Layout, percentile, print_table, wait_for, write_result
+from bench.harness import Layout, percentile, print_table, write_result
 
 TARGET_PORT = harness.target_port(0)  # BENCH_TARGET_PORT (18081)
 # Loading 100,000 jobs (and spreading them over the window) and starting the

@@ -35,7 +35,6 @@ from jobs.models import AuditEntry, Job
 from jobs.public_ids import format_id
 from jobs.secrets import REDACTED, decrypt_headers, is_secret, redacted_names
 from jobs.validators import (
-    SET_BY_SCHEDULER,
     queue_refusal,
     validate_header,
     validate_header_name,

@@ -20,7 +20,7 @@ from django.db import connection
 from jobs.models import Job
 from jobs.services import job_pause, service_account_ensure
 from runs import claims
-from runs.models import Run, RunEvent
+from runs.models import Run
 from scanners.wakeups import listen_params
 from tests.factories import make_job, make_run, timeline_of
 from tests.integration.conftest import Proc, Stack, wait_for

@@ -18,7 +18,7 @@ from bench.harness import Proc
 from jobs.services import service_tasks_grant
 from runs.models import Run
 from tests.integration.conftest import Api, Stack, wait_for
-from tests.factories import timeline_types, entries, entry
+from tests.factories import timeline_types, entry
 
 pytestmark = [pytest.mark.integration, pytest.mark.zookeeper]
 S = Run.Status

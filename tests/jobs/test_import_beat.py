@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import io
 import json
-from collections import Counter, defaultdict
+from collections import Counter
 from datetime import datetime, timedelta, timezone as dt_timezone
 from typing import Any
 from zoneinfo import ZoneInfo
@@ -19,7 +19,6 @@ from zoneinfo import ZoneInfo
 import psycopg
 import pytest
 import time_machine
-from celery.schedules import crontab as celery_crontab
 from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import CommandError

@@ -9,11 +9,10 @@ from typing import Any
 import pytest
 from django.db import connection
 from django.db.models import Sum
-from django.test import Client
 from django.utils import timezone
 
 from runs import events, rollups
-from runs.models import Run, RunEvent, RunRollup
+from runs.models import Run, RunRollup
 from tests.factories import scrape_metrics, make_run, entries
 from tests.ops.conftest import ago, new_job
 from tests.ops.test_metrics import samples

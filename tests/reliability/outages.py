@@ -18,7 +18,7 @@ from bench.harness import Proc
 from bench.soak import recorded_applied_twice
 from jobs.services import job_create, service_account_ensure
 from runs import invariants
-from runs.models import Run, RunEvent
+from runs.models import Run
 from tests.counting_target import CountingTarget
 from tests.factories import timelines_of
 

@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 import pytest
 from django.db import close_old_connections
 
-from runs.models import Run, RunEvent
+from runs.models import Run
 from tests.counting_target import CountingTarget
 from tests.integration.conftest import Stack, wait_for
 from tests.rabbitmq import RabbitVhost, rabbit_vhost_or_skip

@@ -10,13 +10,11 @@ from __future__ import annotations
 import sys
 import uuid
 from datetime import datetime, timedelta
-from typing import Any
 
 import pytest
 from django.db import connection
 
 from bench.harness import Proc
-from jobs.models import Job
 from jobs.services import job_create, service_account_ensure
 from runs.models import Run, RunEvent
 from runs.tasks import execute_runs

@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 import signal
 import time
-from typing import Any
 
 import pytest
 

@@ -43,7 +43,6 @@ import os
 import re
 import socket
 import sys
-import threading
 import time
 import uuid
 from collections import Counter, defaultdict
@@ -64,7 +63,7 @@ from rest_framework.throttling import UserRateThrottle
 
 from jobs.models import AuditEntry, Job, ServiceAccount
 from runs import delivery, signing
-from runs.models import BreakerTransition, Run, RunEvent, TargetBreaker
+from runs.models import BreakerTransition, Run, TargetBreaker
 from runs.services import run_execute_many
 from tests.conftest import Service
 from tests.trust.raw_target import ECHO_MARKER, Connection, Exchange, RawRecordingTarget

@@ -12,7 +12,6 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
-from django.contrib.auth import get_user_model
 from django.test import Client, override_settings
 from hypothesis import given, settings
 from hypothesis import strategies as st
