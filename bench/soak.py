@@ -928,7 +928,8 @@ class Soak:
         # Missed: against the reference schedule, which follows each user action (bench/soak_actions.py).
         assert self.actions is not None
         facts = [run_facts(run, timeline[run.pk], cutoff, DEFERRALS) for run in runs.values()]
-        reference = judge(self.actions.histories, facts, cutoff, settings.SCHEDULER_MISFIRE_GRACE)
+        reference = judge(self.actions.histories, facts, cutoff, settings.SCHEDULER_MISFIRE_GRACE,
+                          retried=self.actions.retried)
         missed = reference.pop("missed")
         started_paused = reference.pop("started_while_paused_or_deleted")
 
@@ -1288,6 +1289,8 @@ def table(report: dict[str, Any], args: argparse.Namespace) -> str:
         ("  fell while paused, never resumed (not due)", report["reference"]["paused_at_end"]),
         ("extra runs due (backfill, run now) / started",
          f"{report['reference']['extra_runs_due']} / {report['reference']['extra_runs_started']}"),
+        ("dead runs retried / started again",
+         f"{report['reference'].get('retried_dead', 0)} / {report['reference'].get('retried_dead_started', 0)}"),
         *([("load: offered", f"{args.rate} runs/s ({report['load']['jobs']} every-minute jobs, window "
                              f"{report['load']['window_s']} s)"),
            ("load: times due / started / missed", f"{report['load']['due_times']} / {report['load']['started']} / "

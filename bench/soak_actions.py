@@ -34,7 +34,12 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone as dt_timezone
 from typing import Any, Callable
 
-USER_KINDS = ("user_edit", "user_pause", "user_resume", "user_delete", "user_run_now", "user_backfill")
+USER_KINDS = ("user_edit", "user_pause", "user_resume", "user_delete", "user_run_now", "user_backfill",
+              "user_overlap", "user_pause_until", "user_delete_paused", "user_retry_dead")
+# The overlap action's slow calls: the soak target holds a call this long (`?hold=`),
+# longer than a minute, so an every-minute job's next time comes while it is in flight.
+OVERLAP_HOLD_S = 65
+OVERLAP_SLOW_AT_ONCE = 2  # jobs with held calls at a time: the target's threads are few
 # Schedules an edit picks from: dense and sparse ones (a yearly one has no time in a
 # soak; edited back to every minute, its next run must follow the new schedule).
 CRONS = ("* * * * *", "*/2 * * * *", "*/3 * * * *", "1-59/2 * * * *", "*/5 * * * *", "0 0 1 1 *")
@@ -84,6 +89,11 @@ class History:
     def open_pause(self) -> Pause | None:
         return self.pauses[-1] if self.pauses and self.pauses[-1].resumed is None else None
 
+    def pause_until_ahead(self, now: datetime) -> Pause | None:
+        """A pause with a paused_until still to come (its `resumed` is that time)."""
+        last = self.pauses[-1] if self.pauses else None
+        return last if last is not None and last.resumed is not None and last.resumed > now else None
+
 
 def timing_of(job: Any, since: datetime, previous: Timing | None = None) -> Timing:
     run_at_set = since
@@ -106,6 +116,9 @@ class UserActions:
         self.lock = threading.Lock()
         self.replacements = 0
         self.last_extra: int | None = None  # the job that last got a backfill or a run-now
+        self.slow: list[int] = []  # the overlap action's jobs whose calls are held (oldest first)
+        self.retried: list[tuple[int, datetime]] = []  # (run pk, when) of each dead run retried
+        self.dead_made = 0
 
     # ------------------------------------------------------------------ history
 
@@ -206,17 +219,32 @@ class UserActions:
         now = utc(time.time())
         job_update(job=job, fields={"paused": False}, now=now)
         with self.lock:
-            pause = self.histories[job.pk].open_pause()
+            pause = self.histories[job.pk].open_pause() or self.histories[job.pk].pause_until_ahead(now)
             if pause is not None:
                 pause.resumed = now
         return {"job": job.public_id, "paused_s": round((now - pause.started).total_seconds(), 1) if pause else None}
 
     def user_delete(self) -> dict[str, Any]:
-        from jobs.services import job_create, job_delete
-
         job = self._pick(lambda j: True, in_flight=0.5)
         if job is None:
             return {"error": "no live job"}
+        return self._delete(job)
+
+    def user_delete_paused(self) -> dict[str, Any]:
+        """A paused job deleted, half the time one paused until a time (its resume time
+        must not outlive it)."""
+        from jobs.models import Job
+
+        until = list(Job.objects.filter(pk__in=self.pool, paused=True, paused_until__isnull=False)
+                     .exclude(state=Job.State.DELETED))
+        job = random.choice(until) if until and random.random() < 0.5 else self._pick(lambda j: j.paused)
+        if job is None:
+            return {"error": "no paused job"}
+        return {**self._delete(job), "paused_until": job.paused_until.isoformat() if job.paused_until else None}
+
+    def _delete(self, job: Any) -> dict[str, Any]:
+        from jobs.services import job_create, job_delete
+
         now = utc(time.time())
         job_delete(job=job, now=now)
         with self.lock:
@@ -270,6 +298,106 @@ class UserActions:
         self.last_extra = job.pk
         return {"job": job.public_id, "paused": job.paused, "since": since.isoformat(), "runs": len(made),
                 "existing": plan.existing}
+
+    def user_overlap(self) -> dict[str, Any]:
+        """An every-minute job gets an overlap policy and, most times, calls the target
+        holds for OVERLAP_HOLD_S: its next time passes while a call is in flight (skip:
+        a `skipped` row naming it; buffer_one: a run that waits for it; allow: both run).
+        At most OVERLAP_SLOW_AT_ONCE jobs are slow at a time; the oldest goes back."""
+        from jobs.services import job_update
+
+        job = self._pick(lambda j: j.schedule == "* * * * *" and j.pk not in self.slow) \
+            or self._pick(lambda j: bool(j.schedule) and j.pk not in self.slow)
+        if job is None:
+            return {"error": "no live cron job"}
+        policy = random.choice(["skip", "skip", "buffer_one", "allow"])
+        slow = random.random() < 0.75
+        back = None
+        if slow and len(self.slow) >= OVERLAP_SLOW_AT_ONCE:
+            back = self.slow.pop(0)
+            from jobs.models import Job
+
+            old = Job.objects.filter(pk=back).exclude(state=Job.State.DELETED).first()
+            if old is not None:
+                job_update(job=old, fields={"target": old.target.split("?", 1)[0], "timeout_seconds": 10},
+                           now=utc(time.time()))
+        base = job.target.split("?", 1)[0]
+        fields: dict[str, Any] = {"overlap": policy, "target": f"{base}?hold={OVERLAP_HOLD_S}" if slow else base,
+                                  "timeout_seconds": OVERLAP_HOLD_S + 25 if slow else 10}
+        job_update(job=job, fields=fields, now=utc(time.time()))
+        if slow:
+            self.slow.append(job.pk)
+        return {"job": job.public_id, "schedule": job.schedule, "overlap": policy, "held_s": OVERLAP_HOLD_S if slow
+                else 0, "slow_back": f"job_{back}" if back else None}
+
+    def user_pause_until(self) -> dict[str, Any]:
+        """Paused until a time 20 to 100 s ahead: the scanner resumes it then (the
+        reference counts the pause as ending at that time; a resume by hand first ends it
+        then)."""
+        from jobs.services import job_update
+
+        job = self._pick(lambda j: not j.paused, in_flight=0.3)
+        if job is None:
+            return {"error": "no active job"}
+        now = utc(time.time())
+        until = utc(int(time.time() + random.uniform(20, 100)) + 1)
+        job_update(job=job, fields={"paused": True, "paused_until": until}, now=now)
+        with self.lock:
+            self.histories[job.pk].pauses.append(Pause(now, utc(time.time()), resumed=until))
+        return {"job": job.public_id, "until": until.isoformat()}
+
+    def user_retry_dead(self) -> dict[str, Any]:
+        """A dead run retried (POST /api/runs/{id}/retry/'s service): it owes a new start.
+        Without a dead run of a live job at hand, one is made: a one-off due now to a
+        port nobody listens on, no retries; once dead, its target is moved to the soak
+        target, so the retry applies its effect (once)."""
+        from jobs.models import Job
+        from runs import ops as run_ops
+        from runs.models import Run
+
+        dead = (Run.objects.filter(job__owner=self.owner, status=Run.Status.DEAD, job__paused=False)
+                .exclude(job__state=Job.State.DELETED).order_by("-pk").first())
+        made = None
+        if dead is None:
+            dead, made = self._make_dead()
+            if dead is None:
+                return {"error": made or "no dead run"}
+        now = utc(time.time())
+        try:
+            retried = run_ops.run_retry(run=dead, now=now, via="command")
+        except run_ops.RetryRefused as exc:
+            return {"run": dead.public_id, "error": str(exc)}
+        with self.lock:
+            self.retried.append((retried.pk, now))
+        return {"run": retried.public_id, "job": f"job_{retried.job_id}", "made_dead": made}
+
+    def _make_dead(self) -> tuple[Any, str | None]:
+        import socket
+
+        from jobs.services import job_create, job_update
+        from runs.models import Run
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            closed = sock.getsockname()[1]
+        self.dead_made += 1
+        name = f"dead{self.dead_made}"
+        fields = self.job_fields(name)
+        real = fields["target"]
+        fields.update(target=f"http://127.0.0.1:{closed}/hook/{name}", retry_max=0,
+                      run_at=utc(int(time.time()) + 1))
+        fields.pop("schedule", None)
+        created_at = utc(time.time())
+        job = job_create(owner=self.owner, fields=fields, now=created_at)
+        self.created(job, created_at, in_pool=False)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            run = Run.objects.filter(job=job, status=Run.Status.DEAD).first()
+            if run is not None:
+                job_update(job=job, fields={"target": real}, now=utc(time.time()))
+                return run, f"job_{job.pk}"
+            time.sleep(0.2)
+        return None, f"job_{job.pk}'s run was not dead within 30 s"
 
 
 # ---------------------------------------------------------------------- judging
@@ -348,10 +476,16 @@ def due_times(history: History, cutoff: datetime) -> list[tuple[datetime, Timing
     return sorted(found.items())
 
 
-def judge(histories: dict[int, History], runs: list[RunFacts], cutoff: datetime, grace_s: float) -> dict[str, Any]:
+def judge(histories: dict[int, History], runs: list[RunFacts], cutoff: datetime, grace_s: float,
+          retried: list[tuple[int, datetime]] | None = None) -> dict[str, Any]:
     """The reference schedule against the rows: what was missed, what a user action
-    excused, and which runs started while their job was paused or deleted."""
+    excused, and which runs started while their job was paused or deleted. `retried`:
+    the dead runs a user retried, each of which owes a new start."""
     grace = timedelta(seconds=grace_s)
+    for h in histories.values():
+        for p in h.pauses:  # a paused_until still ahead at the cutoff: paused to the end
+            if p.resumed is not None and p.resumed > cutoff:
+                p.resumed = None
     by_time: dict[tuple[int, datetime], RunFacts] = {}
     for run in runs:
         # A normal row answers for its time before a backfill at the same time would.
@@ -463,6 +597,24 @@ def judge(histories: dict[int, History], runs: list[RunFacts], cutoff: datetime,
         else:
             missed.append(f"job_{h.job_id} {h.name} extra run {run.public_id} for {run.scheduled_for:%H:%M:%S} "
                           f"made {run.created:%H:%M:%S}: never started ({run.status}{', held' if run.held else ''})")
+
+    # A retried dead run owes a claim after the retry, unless a pause or a delete came first.
+    tally["retried_dead"] = tally["retried_dead_started"] = 0
+    facts_by_pk = {run.pk: run for run in runs}
+    for pk, at in retried or []:
+        run = facts_by_pk.get(pk)
+        if run is None or at + grace > cutoff or run.deferred_past_cutoff:
+            continue
+        h = histories.get(run.job_id)
+        tally["retried_dead"] += 1
+        if any(claimed >= at for claimed, _ in run.claims):
+            tally["retried_dead_started"] += 1
+        elif h is not None and (h.paused_at(at + grace) is not None or (h.deleted_at and h.deleted_at <= at + grace)):
+            tally["excused_by_user_action"] += 1
+            excuses.append(f"job_{run.job_id} retried {run.public_id} {run.status}" + _ended(h, run))
+        else:
+            missed.append(f"job_{run.job_id} retried {run.public_id} at {at:%H:%M:%S}: no claim after it "
+                          f"({run.status}{', held' if run.held else ''})")
 
     started_while_paused = []
     for run in runs:

@@ -52,7 +52,8 @@ def _apply(request: HttpRequest) -> HttpResponse:
     mode, slow = _mode(port)
     if mode == "error":
         return JsonResponse({"error": "told to fail"}, status=503)
-    time.sleep(slow if mode == "slow" else random.uniform(0.02, 0.3))
+    hold = request.GET.get("hold", "")  # the overlap action's slow jobs (bench/soak_actions.py)
+    time.sleep(float(hold) if hold.isdigit() else slow if mode == "slow" else random.uniform(0.02, 0.3))
     key, fence = request.headers["Idempotency-Key"], int(request.headers["X-Fence-Token"])
     with connection.cursor() as cursor:
         cursor.execute(

@@ -150,3 +150,28 @@ def test_a_time_skipped_for_a_run_that_was_not_in_flight_is_missed() -> None:
     late = row(at(1), claims=[at(2, 10)], ended=at(2, 30))
     found = judge({1: h}, [late, skipped, row(at(3))], cutoff=at(4), grace_s=GRACE)
     assert [m.split(" at ")[1][:8] for m in found["missed"]] == ["10:02:00"]
+
+
+def test_a_pause_until_a_time_past_the_cutoff_counts_as_paused_to_the_end() -> None:
+    # Paused at 10:02:30 until 10:20: at the 10:08 cutoff the scanner had not resumed it.
+    h = history(cron(T0), pauses=[Pause(at(2, 30), at(2, 31), resumed=at(20))])
+    rows = [row(at(1)), row(at(2))]
+    found = judge({1: h}, rows, cutoff=at(8), grace_s=GRACE)
+    assert found["missed"] == [] and found["paused_at_end"] == 5  # 10:03 to 10:07
+
+
+def test_a_retried_dead_run_owes_a_claim_after_the_retry() -> None:
+    h = history(cron(T0))
+    dead = row(at(1), status="dead", claims=[at(1, 1)])
+    retried_again = row(at(2), status="succeeded", claims=[at(2, 1), at(4, 1)])
+    found = judge({1: h}, [dead, retried_again, *[row(at(m)) for m in range(3, 8)]], cutoff=at(8), grace_s=GRACE,
+                  retried=[(dead.pk, at(3)), (retried_again.pk, at(4))])
+    assert found["retried_dead"] == 2 and found["retried_dead_started"] == 1
+    assert found["missed"] == [f"job_1 retried {dead.public_id} at 10:03:00: no claim after it (dead)"]
+
+
+def test_a_retried_run_whose_job_was_paused_at_once_is_excused() -> None:
+    h = history(cron(T0), pauses=[Pause(at(3, 5), at(3, 6))])
+    dead = row(at(1), status="scheduled", claims=[at(1, 1)], held=True)
+    found = judge({1: h}, [dead, row(at(2)), row(at(3))], cutoff=at(8), grace_s=GRACE, retried=[(dead.pk, at(3))])
+    assert found["missed"] == [] and found["retried_dead"] == 1 and found["retried_dead_started"] == 0
