@@ -353,8 +353,12 @@ def _open_row(job: Job, when: datetime, held: bool, due_now: datetime | None = N
 # time, as before, and the scanner's misfire policy decides (the job is behind; the
 # overlap policy applies again once it has caught up). See docs/architecture.md.
 
-# The most times one outcome looks at (a run a second in flight for 5.5 hours): past
-# it the job goes on from now, and only the latest SCHEDULER_MISFIRE_MAX_SKIPPED get rows.
+# The most times one outcome looks at (a run a second in flight for 5.5 hours). Past
+# it, the times not looked at are the misfire policy's: the next run is the first of
+# them, already passed, and the scanner applies the job's misfire rule to it (rows for
+# the latest missed times, the others counted on its `misfired` event), as for times
+# missed before the claim. Of the times looked at, the latest
+# SCHEDULER_MISFIRE_MAX_SKIPPED get rows and all are counted (`passed_in_flight`).
 MAX_OVERLAP_TIMES = 20_000
 
 
@@ -372,6 +376,7 @@ class OverlapPlan:
     buffered: bool  # buffer_one: next_time has passed, and is due now
     skipped: list[datetime]  # the latest passed times that get a `skipped` row, oldest first
     count: int  # how many passed times are skipped in all (`skipped` may hold fewer)
+    capped: bool = False  # MAX_OVERLAP_TIMES looked at: next_time has passed, the misfire policy's
     # The steps from one time to the next that passed over excluded times (each of
     # those gets its `skipped` row, reason `excluded`: excluded_times_skip).
     excluded: list[schedule.NextTime] = field(default_factory=list)
@@ -395,14 +400,16 @@ def _overlap_plan(job: Job, *, first: datetime, since: datetime | None, now: dat
         passed.append(when)
         count += 1
         when = step(when)
-    if when is not None and when <= now:  # looked at enough: go on from now
-        when = step(now)
-    if job.overlap == Job.Overlap.BUFFER_ONE:
+    # Looked at enough with times still passed: on 1418bea the job went on from now, and
+    # the times from here to now had neither a row nor a count (the stateful test found
+    # it: a run in flight for a month of an every-two-minutes job).
+    capped = when is not None and when <= now
+    if job.overlap == Job.Overlap.BUFFER_ONE and not capped:
         latest = passed.pop()
         return OverlapPlan(next_time=latest, buffered=True, skipped=list(passed)[-keep:] if keep else [],
                            count=count - 1, excluded=excluded)
     return OverlapPlan(next_time=when, buffered=False, skipped=list(passed)[-keep:] if keep else [], count=count,
-                       excluded=excluded)
+                       excluded=excluded, capped=capped)
 
 
 def _skip_overlapped(job: Job, plan: OverlapPlan, flight: Flight, now: datetime) -> list[events.Event]:
@@ -425,7 +432,7 @@ def _skip_overlapped(job: Job, plan: OverlapPlan, flight: Flight, now: datetime)
     notices.notices_add(notices.notice_row(job=job, kind="skipped", run=r, reason=why, now=now) for r in created)
     return [
         events.of(r, "skipped", now, reason="overlap", policy=job.overlap, in_flight=format_id("run", flight.run_id),
-                     passed_in_flight=plan.count)
+                     passed_in_flight=plan.count, **({"rest_to_misfire_policy": True} if plan.capped else {}))
         for r in created
     ]
 

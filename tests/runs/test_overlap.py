@@ -24,7 +24,9 @@ import pytest
 import time_machine
 from django.core import mail
 from django.db import connection
+from django.conf import settings
 from django.test import override_settings
+from django.utils import timezone
 
 from jobs.models import AuditEntry, Job
 from jobs.public_ids import parse_id
@@ -275,6 +277,45 @@ def test_overlap_skipped_rows_are_bounded_like_the_misfire_paths(
     ]
     [skipped] = RunEvent.objects.filter(run=rows[0], type="skipped")
     assert skipped.detail["passed_in_flight"] == 10
+
+
+@pytest.mark.parametrize("policy", ["skip", "buffer_one"])
+@override_settings(SCHEDULER_MISFIRE_GRACE=10, SCHEDULER_BREAKER_FAILURES=10**6, SCHEDULER_MISFIRE_MAX_SKIPPED=2)
+def test_past_the_overlap_cap_the_times_not_looked_at_are_the_misfire_policys(
+    service: Any, target: HeldTarget, clock: Any, monkeypatch: Any, policy: str
+) -> None:
+    """A run in flight for more than MAX_OVERLAP_TIMES of its job's times (20,000; 5
+    here). On 1418bea the job went on from now: the times from the cap to now had no
+    row and no count (the stateful test found it, a run in flight for a month of an
+    every-two-minutes job). Now the next run is the first time past the cap, already
+    passed, and the scanner's misfire policy writes or counts the rest."""
+    from runs import services as run_services
+    from scanners.scan import scan_once
+
+    monkeypatch.setattr(run_services, "MAX_OVERLAP_TIMES", 5)
+    job = make(service.user, target.url("/long"), overlap=policy)
+    run = first_run_due(clock, job)
+    assert run_held_call(target, clock, run, lasts=600) == "succeeded"  # 20:40:00: ten times passed
+    rows = rows_after(job, run)
+    assert [(r.scheduled_for, r.status) for r in rows] == [
+        (utc("2026-10-28T20:34:00Z"), S.SKIPPED),  # the latest 2 of the 5 looked at
+        (utc("2026-10-28T20:35:00Z"), S.SKIPPED),
+        (utc("2026-10-28T20:36:00Z"), S.SCHEDULED),  # the first not looked at: passed
+    ]
+    [skipped] = RunEvent.objects.filter(run=rows[0], type="skipped")
+    assert skipped.detail["passed_in_flight"] == 5 and skipped.detail["rest_to_misfire_policy"] is True
+    scan_once(partitions=frozenset(range(settings.SCHEDULER_PARTITIONS)), now=timezone.now(), publish=False)
+    late = Run.objects.get(pk=rows[-1].pk)
+    misfired = RunEvent.objects.filter(run=late, type="misfired").first()
+    assert misfired is not None, "the passed run was not put to the misfire policy"
+    # run_once: the late run (20:36) runs now; 20:37 to 20:39 were missed after it: the
+    # latest 2 get rows, and all 3 are counted on its misfired event. Nothing is lost.
+    assert misfired.detail["policy"] == "run_once" and misfired.detail["other_missed_times"] == 3
+    assert [(r.scheduled_for, r.status) for r in rows_after(job, run)][2:] == [
+        (utc("2026-10-28T20:36:00Z"), S.QUEUED),
+        (utc("2026-10-28T20:38:00Z"), S.SKIPPED),
+        (utc("2026-10-28T20:39:00Z"), S.SKIPPED),
+    ]
 
 
 # --------------------------------------------------------------------------- one long call, each policy

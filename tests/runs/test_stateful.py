@@ -978,6 +978,13 @@ def check_overlap(mj: ModelJob, rows: list[Run], timeline: dict[int, list[RunEve
         latest = max(r.scheduled_for for r in skipped)
         policy = mj.overlap_at(told[-1].id) if told[-1].id is not None else mj.policy_at_end[ran.scheduled_for]
         note(f"overlap rows under {policy}")
+        capped = [e for r in skipped for e in timeline.get(r.pk, []) if e.detail.get("rest_to_misfire_policy")]
+        if capped:
+            # MAX_OVERLAP_TIMES looked at: the next run is the first time after them, passed,
+            # and the misfire policy's (its rows and its count are checked like any misfire's).
+            assert latest < nxt_at <= ended_at, f"job {mj.pk} (overlap, capped): next run {nxt} after {latest}"
+            note("overlap times past the cap handed to the misfire policy")
+            continue
         if policy == "skip" or nxt_at > ended_at:
             assert nxt_at > ended_at, f"job {mj.pk} (overlap skip): its next run {nxt} has passed at {ended_at}"
             if policy == "buffer_one":  # the latest time had a row already
