@@ -10,6 +10,7 @@ row delete.
 
 from __future__ import annotations
 
+import json
 from datetime import datetime, timedelta
 from typing import Any
 from zoneinfo import ZoneInfo
@@ -117,6 +118,36 @@ def _service_users() -> QuerySet[Any]:
     return get_user_model().objects.filter(service__isnull=False).order_by("username")
 
 
+class SafeJSONField(forms.JSONField):
+    """Django's form JSONField, for hostile text: nesting deeper than Python's stack is a
+    form error, not a 500 (RecursionError), and a value holding a lone surrogate
+    (`"\\ud800"`) is shown again escaped, since the page cannot be encoded with it."""
+
+    def to_python(self, value: Any) -> Any:
+        try:
+            return super().to_python(value)
+        except RecursionError:
+            raise forms.ValidationError("is nested too deeply", code="invalid") from None
+
+    def bound_data(self, data: Any, initial: Any) -> Any:
+        try:
+            return super().bound_data(data, initial)
+        except RecursionError:
+            return forms.fields.InvalidJSONInput(data)
+
+    def prepare_value(self, value: Any) -> Any:
+        if isinstance(value, forms.fields.InvalidJSONInput):
+            return value
+        try:
+            text = json.dumps(value, ensure_ascii=False, cls=self.encoder)
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return json.dumps(value, ensure_ascii=True, cls=self.encoder)
+        except (TypeError, ValueError, RecursionError):
+            return super().prepare_value(value)
+        return text
+
+
 class JobAdminForm(forms.ModelForm):
     """The API's fields; `clean` hands them to JobSerializer (create, or PATCH of the
     changed ones) and keeps its `service_fields()` for the save."""
@@ -170,13 +201,13 @@ class JobAdminForm(forms.ModelForm):
         help_text="Or a Celery task name, like billing.tasks.sync, under a prefix granted to the owner "
         "(grant_tasks). Method, headers and payload are for URL targets only.",
     )
-    args = forms.JSONField(required=False, help_text="A task's positional arguments: a JSON list.")
-    kwargs = forms.JSONField(required=False, help_text="A task's keyword arguments: a JSON object.")
+    args = SafeJSONField(required=False, help_text="A task's positional arguments: a JSON list.")
+    kwargs = SafeJSONField(required=False, help_text="A task's keyword arguments: a JSON object.")
     queue = forms.CharField(
         required=False, max_length=100, help_text='A task\'s queue (default "celery"); its pause key is celery:<queue>.'
     )
     method = forms.ChoiceField(choices=[(m, m) for m in METHODS], initial="POST")
-    headers = forms.JSONField(
+    headers = SafeJSONField(
         required=False,
         initial=dict,
         help_text='A JSON object of header names to values (visible ASCII, space and tab); Host, Content-Length, '
@@ -186,7 +217,7 @@ class JobAdminForm(forms.ModelForm):
     secret_headers = forms.CharField(
         required=False, help_text="Comma-separated names of further headers to keep encrypted."
     )
-    payload = forms.JSONField(required=False, help_text="Any JSON, sent as the body.")
+    payload = SafeJSONField(required=False, help_text="Any JSON, sent as the body.")
     retry_max = forms.IntegerField(initial=3, label="Retries", help_text="Tries after the first, 0 to 100.")
     retry_backoff = forms.ChoiceField(choices=Job.Backoff.choices, initial=Job.Backoff.EXPONENTIAL, label="Backoff")
     retry_base = forms.CharField(initial="10s", label="First delay")

@@ -178,11 +178,17 @@ def celery_times(sched: Any, after: datetime, count: int) -> list[datetime]:
 def plan_import(tasks: Iterable[Any], *, owner: Any, now: datetime) -> list[Plan]:
     """One Plan per periodic task, nothing written."""
     existing = imported_names(owner)
-    return [plan_task(task, owner=owner, now=now, exists=task.name in existing) for task in tasks]
+    return [plan_task(task, owner=owner, now=now, exists=job_name(task.name) in existing) for task in tasks]
 
 
 def imported_names(owner: Any) -> set[str]:
     return set(Job.objects.filter(owner=owner).exclude(state=Job.State.DELETED).values_list("name", flat=True))
+
+
+def job_name(name: str) -> str:
+    """The job name a periodic task's name becomes: the API trims it, so " nightly"
+    is the job "nightly" (compared untrimmed, every later import made another)."""
+    return name.strip()
 
 
 def plan_task(task: Any, *, owner: Any, now: datetime, exists: bool = False) -> Plan:
@@ -281,7 +287,11 @@ def _timing(task: Any, now: datetime) -> dict[str, Any]:
 
 def _interval_timing(task: Any, now: datetime) -> dict[str, Any]:
     interval = task.interval
-    every = timedelta(**{interval.period: interval.every})
+    try:
+        every = timedelta(**{interval.period: interval.every})
+    except (TypeError, ValueError, OverflowError) as exc:  # a period beat does not know, or a span too long
+        raise Refused(f"an interval of {interval.every} {interval.period!r} is not one Python can hold "
+                      f"({type(exc).__name__})") from exc
     if every < timedelta(seconds=1):
         raise Refused(f"an interval of {every.total_seconds():g}s is below one second")
     if every.microseconds:
@@ -487,7 +497,7 @@ def beat_import(
     with transaction.atomic():
         _lock_owner(owner)
         existing = imported_names(owner)  # read under the lock: a concurrent import cannot double up
-        plans = [replace(p, status="exists") if p.status == "create" and p.name in existing else p for p in plans]
+        plans = [replace(p, status="exists") if p.status == "create" and job_name(p.name) in existing else p for p in plans]
         for plan in plans:
             if plan.status == "create":
                 _create_one(owner, plan, now)

@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
+from decimal import Decimal, InvalidOperation
 from importlib import import_module
 from types import SimpleNamespace
 from typing import Any
@@ -43,6 +44,7 @@ from jobs.audit import audit_entry
 from jobs.models import AuditEntry, Job
 from jobs.secrets import decrypt_headers
 from jobs.serializers import JobSerializer
+from jobs.validators import escape_controls
 
 MODULE = "schedules"
 ATTRIBUTE = "SCHEDULES"
@@ -128,6 +130,16 @@ def _as_schedule(source: str, index: int, entry: Any) -> Schedule:
         value = getattr(entry, attr)
         if not isinstance(value, str) or not value.strip():
             raise DefinitionError(f"{source}.{ATTRIBUTE}[{index}]: {attr} must be a non-empty string")
+        # The key is matched as written: the API trims a name, so " nightly" would be
+        # stored as "nightly" and never found again (each later sync failed on the key's
+        # constraint); NUL and control characters cannot be a stored key at all.
+        if value != value.strip():
+            raise DefinitionError(f"{source}.{ATTRIBUTE}[{index}]: {attr} {escape_controls(repr(value))} has "
+                                  f"spaces around it; write {escape_controls(repr(value.strip()))}")
+        bad = next((c for c in value if ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F), None)
+        if bad is not None:
+            raise DefinitionError(f"{source}.{ATTRIBUTE}[{index}]: {attr} {escape_controls(repr(value))} holds a "
+                                  f"control character (U+{ord(bad):04X})")
     return entry
 
 
@@ -217,9 +229,27 @@ def validate(definitions: list[Definition], owner: Any) -> list[Job]:
     ]
 
 
+def same_json(a: Any, b: Any) -> bool:
+    """Equal as JSON the store keeps: numbers by value as written (PostgreSQL's jsonb
+    gives 1e300 back as the integer 10**300, which a float 1e300 is not exactly, and
+    every sync then saw a change), containers item by item, the rest by ==."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b if isinstance(a, bool) and isinstance(b, bool) else False
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        try:
+            return Decimal(repr(a)) == Decimal(repr(b))
+        except InvalidOperation:  # nan or infinity: not JSON the API takes anyway
+            return a == b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_json(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(same_json(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 def _diff(stored: Job, wanted: Job, definition: Definition, fields: Mapping[str, Any]) -> Change | None:
     old, new = view(stored, fields), view(wanted, fields)
-    diff = {k: (old.get(k), v) for k, v in new.items() if old.get(k) != v}
+    diff = {k: (old.get(k), v) for k, v in new.items() if not same_json(old.get(k), v)}
     if _secret_values(stored) != _secret_values(wanted):
         diff[SECRET_VALUES] = ("***", "***")
     if stored.code_source != definition.source:

@@ -11,7 +11,7 @@ from jobs.validators import escape_controls
 
 
 def _show(value: Any) -> str:
-    return "null" if value is None else repr(value)
+    return "null" if value is None else escape_controls(repr(value))
 
 
 class Command(BaseCommand):
@@ -59,4 +59,6 @@ class Command(BaseCommand):
 
     @staticmethod
     def _key(key: tuple[str, str]) -> str:
-        return f"{key[0]}/{key[1]}"
+        # Names reach an operator's terminal: format characters (U+202E turns text
+        # around) and line separators written as escapes, like import_beat's table.
+        return escape_controls(f"{key[0]}/{key[1]}")
