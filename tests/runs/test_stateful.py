@@ -596,6 +596,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         assert not (mj.deleted or mj.paused), "a paused or deleted job's dead run was retried"
         assert retried.status == S.SCHEDULED and retried.is_backfill and retried.attempt_base == run.attempt
+        # From here it is an extra run: its death no longer counts in pause_after_failures'
+        # row (the store counts normal runs only), whatever its new attempt gives.
+        if not run.is_backfill:
+            mj.ran = [(t, outcome) for t, outcome in mj.ran if t != run.scheduled_for]
         note("a dead run retried")
 
     # ---------------------------------------------------------------- the clock and the scanner
@@ -1329,3 +1333,18 @@ def test_the_model_finds_a_fast_runs_outcome_stamped_at_its_own_answer_beside_a_
     fast, slow = sorted(Run.objects.filter(status=S.SUCCEEDED, started_at__isnull=False),
                         key=lambda r: r.finished_at)
     assert slow.finished_at - fast.finished_at == timedelta(seconds=150)
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(SCHEDULER_BREAKER_FAILURES=10**6, SCHEDULER_MISFIRE_GRACE=60, SCHEDULER_LEASE_SECONDS=60)
+def test_a_retried_dead_run_leaves_the_pause_after_failures_row(target: ChosenAnswerTarget) -> None:
+    """pause_after_failures=2: the 20:30 run dies and is retried (an extra run from then
+    on), the 21:30 run dies: one normal run dead in a row, so the job keeps running, and
+    the next retry is taken (the CI profile found the model counting the retried run)."""
+    owner, _ = service_account_ensure(name="stateful", email="stateful@example.test")
+    replay(owner, target, [
+        ("first_job", {**FIRST_JOB, "retries": 1, "failures": 2, "overlap": "skip"}),
+        ("retry_dead", {"newest": False}),
+        ("advance_clock", {"seconds": 3600}),
+        ("retry_dead", {"newest": False}),
+    ])
