@@ -194,6 +194,10 @@ def job_name(name: str) -> str:
 def plan_task(task: Any, *, owner: Any, now: datetime, exists: bool = False) -> Plan:
     plan = Plan(task_id=task.pk, name=task.name, source=describe_source(task))
     try:
+        if task.name != task.name.strip() or not task.name.strip():
+            # A job's name is trimmed: " nightly" would become "nightly" (another task's
+            # name, perhaps) and all-space names the same empty one.
+            raise Refused("its name has spaces around it (or is all spaces); rename the periodic task")
         plan.body = job_body(task, now=now)
         plan.fields = _validated(plan.body, owner)
         plan.ours_next = our_times(plan.fields, now, SHOWN)
