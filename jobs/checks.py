@@ -24,7 +24,6 @@ from django.core.checks import Tags, Warning, register
 from django.db import DatabaseError
 
 SHOWN = 5  # job ids listed per warning; the count says how many in all
-CONTROL_CHARACTERS = r"[\x01-\x1f\x7f-\x9f]"
 
 
 @register(Tags.database)
@@ -44,12 +43,12 @@ def _shown(ids: list[int], total: int) -> str:
 
 def _queues() -> list[Warning]:
     from jobs.models import Job
-    from jobs.validators import DEFAULT_QUEUE, queue_refusal
+    from jobs.validators import stored_queue_refusal
 
     live = Job.objects.exclude(task="").exclude(state=Job.State.DELETED)
     found = []
     for queue in live.values_list("queue", flat=True).distinct().order_by("queue"):
-        refusal = None if (queue or DEFAULT_QUEUE) == DEFAULT_QUEUE else queue_refusal(queue)
+        refusal = stored_queue_refusal(queue)
         if refusal is None:
             continue
         rows = live.filter(queue=queue)
@@ -86,8 +85,9 @@ def _grants() -> list[Warning]:
 
 def _names() -> list[Warning]:
     from jobs.models import Job
+    from jobs.validators import CONTROL_CHARACTERS_REGEX
 
-    rows = Job.objects.exclude(state=Job.State.DELETED).filter(name__regex=CONTROL_CHARACTERS)
+    rows = Job.objects.exclude(state=Job.State.DELETED).filter(name__regex=CONTROL_CHARACTERS_REGEX)
     total = rows.count()
     if not total:
         return []

@@ -44,7 +44,7 @@ from jobs.audit import audit_entry
 from jobs.models import AuditEntry, Job
 from jobs.secrets import decrypt_headers
 from jobs.serializers import JobSerializer
-from jobs.validators import escape_controls
+from jobs.validators import escape_controls, first_control_character
 
 MODULE = "schedules"
 ATTRIBUTE = "SCHEDULES"
@@ -136,7 +136,7 @@ def _as_schedule(source: str, index: int, entry: Any) -> Schedule:
         if value != value.strip():
             raise DefinitionError(f"{source}.{ATTRIBUTE}[{index}]: {attr} {escape_controls(repr(value))} has "
                                   f"spaces around it; write {escape_controls(repr(value.strip()))}")
-        bad = next((c for c in value if ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F), None)
+        bad = first_control_character(value)
         if bad is not None:
             raise DefinitionError(f"{source}.{ATTRIBUTE}[{index}]: {attr} {escape_controls(repr(value))} holds a "
                                   f"control character (U+{ord(bad):04X})")

@@ -35,6 +35,7 @@ from jobs.models import AuditEntry, Job
 from jobs.public_ids import format_id
 from jobs.secrets import REDACTED, decrypt_headers, is_secret, redacted_names
 from jobs.validators import (
+    first_control_character,
     queue_refusal,
     validate_header,
     validate_header_name,
@@ -742,7 +743,7 @@ class JobSerializer(StrictFieldsMixin, serializers.Serializer):
     def validate_name(self, value: str) -> str:
         """A name is shown on pages, in lists and on operators' terminals: no control
         characters (a terminal's escape sequences among them), nothing PostgreSQL cannot store."""
-        bad = next((c for c in value if ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F), None)
+        bad = first_control_character(value)
         if bad is not None:
             raise ValidationError(f"must not contain control characters (found U+{ord(bad):04X})")
         problem = _text_problem(value)

@@ -247,6 +247,16 @@ def escape_controls(text: str) -> str:
                    for c in text)
 
 
+# Control characters (C0, DEL and C1): never in a name shown on pages and terminals.
+# The same set as a store's regular expression (NUL cannot be stored, so it starts at 1).
+CONTROL_CHARACTERS_REGEX = r"[\x01-\x1f\x7f-\x9f]"
+
+
+def first_control_character(value: str) -> str | None:
+    """The first control character in `value` (C0, DEL or C1), or None."""
+    return next((c for c in value if ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F), None)
+
+
 def notify_is_webhook(value: str) -> bool:
     """A `notify` that is a webhook (an https URL, its scheme in any case: URLs' schemes
     are case-insensitive), not an e-mail address."""
@@ -497,6 +507,14 @@ def queue_refusal(name: str) -> str | None:
         return (f"{name!r} is in the broker transport's own names ({', '.join(p + '*' for p in RESERVED_QUEUE_PREFIXES)}, "
                 f"*{RESERVED_QUEUE_SUFFIXES[0]}); name a queue of your service's own")
     return None
+
+
+def stored_queue_refusal(queue: str) -> str | None:
+    """Why a stored task job may not publish to `queue` now, or None. A job stored
+    before the name was refused publishes nothing there; the default (`queue` left
+    out, stored as "" or as Celery's default) is where an ordinary worker listens."""
+    queue = queue or DEFAULT_QUEUE
+    return None if queue == DEFAULT_QUEUE else queue_refusal(queue)
 
 
 # Task names no service may be granted: Celery's own (celery.chord, celery.starmap...,

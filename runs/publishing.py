@@ -39,7 +39,7 @@ from kombu.utils.url import maybe_sanitize_url
 
 from jobs import selectors
 from jobs.models import Job
-from jobs.validators import DEFAULT_QUEUE, queue_refusal
+from jobs.validators import DEFAULT_QUEUE, stored_queue_refusal
 from runs.claims import Claim
 from runs.delivery import CallResult, PreparationError, run_identity
 from runs.models import Run
@@ -76,9 +76,7 @@ def prepare(*, run: Run, job: Job, claim: Claim, grants: dict[tuple[int, str], s
     if refusal is not None:
         raise PreparationError(f"task refused: {refusal}")
     queue = job.queue or DEFAULT_QUEUE
-    # A job stored before its queue's name was refused (jobs.validators.queue_refusal)
-    # publishes nothing there; the default queue is the one a job gets by leaving it out.
-    refusal = None if queue == DEFAULT_QUEUE else queue_refusal(queue)
+    refusal = stored_queue_refusal(queue)
     if refusal is not None:
         raise PreparationError(f"queue refused: {refusal}")
     return TaskMessage(

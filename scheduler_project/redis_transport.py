@@ -69,19 +69,31 @@ def set_aside(client: Any, keys: Iterable[tuple[str, str]]) -> list[str]:
     return moved
 
 
+def again_if_wrong_type(acquire: Callable[[], Any], keys: list[tuple[str, str]], operation: Callable[[], T],
+                        then: Callable[[], T] | None = None) -> T:
+    """`operation`; on WRONGTYPE, the keys it uses that hold the wrong type are moved
+    aside (set_aside, on a client from `acquire`) and `then` runs (by default the
+    operation again, on the fresh keys)."""
+    try:
+        return operation()
+    except redis_py.ResponseError as exc:
+        if not wrong_type(exc):
+            raise
+        with acquire() as client:
+            set_aside(client, keys)
+    return (then or operation)()
+
+
+def _empty() -> Any:
+    raise redis.Empty()
+
+
 class QoS(redis.QoS):
     def _own_keys(self) -> list[tuple[str, str]]:
         return [(self.unacked_index_key, "zset"), (self.unacked_key, "hash"), (self.unacked_mutex_key, "string")]
 
     def _again_if_wrong_type(self, operation: Callable[[], T]) -> T:
-        try:
-            return operation()
-        except redis_py.ResponseError as exc:
-            if not wrong_type(exc):
-                raise
-            with self.channel.conn_or_acquire() as client:
-                set_aside(client, self._own_keys())
-            return operation()
+        return again_if_wrong_type(self.channel.conn_or_acquire, self._own_keys(), operation)
 
     def append(self, message: Any, delivery_tag: Any) -> None:
         self._again_if_wrong_type(lambda: super(QoS, self).append(message, delivery_tag))
@@ -118,47 +130,23 @@ class Channel(redis.Channel):
     def _queue_keys(self, queues: Iterable[str]) -> list[tuple[str, str]]:
         return [(self._q_for_pri(queue, pri), "list") for queue in queues for pri in self.priority_steps]
 
-    def _set_aside(self, keys: list[tuple[str, str]]) -> list[str]:
-        with self.conn_or_acquire() as client:
-            return set_aside(client, keys)
-
     def _brpop_read(self, **options: Any) -> Any:
-        try:
-            return super()._brpop_read(**options)
-        except redis_py.ResponseError as exc:
-            if not wrong_type(exc):
-                raise
-            # The read's reply was an error: the connection is idle again, and the next
-            # tick's read finds the queues' keys as lists (or none).
-            self._set_aside(self._queue_keys(self._active_queues))
-            raise redis.Empty() from exc
+        # The read's reply was an error: the connection is idle again, and the next
+        # tick's read finds the queues' keys as lists (or none).
+        return again_if_wrong_type(self.conn_or_acquire, self._queue_keys(self._active_queues),
+                                   lambda: super(Channel, self)._brpop_read(**options), then=_empty)
 
     def _get(self, queue: str, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return super()._get(queue, *args, **kwargs)
-        except redis_py.ResponseError as exc:
-            if not wrong_type(exc):
-                raise
-            self._set_aside(self._queue_keys([queue]))
-            raise redis.Empty() from exc
+        return again_if_wrong_type(self.conn_or_acquire, self._queue_keys([queue]),
+                                   lambda: super(Channel, self)._get(queue, *args, **kwargs), then=_empty)
 
     def _put(self, queue: str, message: Any, **kwargs: Any) -> None:
-        try:
-            super()._put(queue, message, **kwargs)
-        except redis_py.ResponseError as exc:
-            if not wrong_type(exc):
-                raise
-            self._set_aside(self._queue_keys([queue]))
-            super()._put(queue, message, **kwargs)
+        again_if_wrong_type(self.conn_or_acquire, self._queue_keys([queue]),
+                            lambda: super(Channel, self)._put(queue, message, **kwargs))
 
     def _size(self, queue: str) -> int:
-        try:
-            return super()._size(queue)
-        except redis_py.ResponseError as exc:
-            if not wrong_type(exc):
-                raise
-            self._set_aside(self._queue_keys([queue]))
-            return super()._size(queue)
+        return again_if_wrong_type(self.conn_or_acquire, self._queue_keys([queue]),
+                                   lambda: super(Channel, self)._size(queue))
 
     def _binding_keys(self, exchange: str) -> list[tuple[str, str]]:
         keys = [(self.keyprefix_queue % (exchange,), "set")]
@@ -168,22 +156,12 @@ class Channel(redis.Channel):
         return keys
 
     def _queue_bind(self, exchange: str, routing_key: str, pattern: str, queue: str) -> None:
-        try:
-            super()._queue_bind(exchange, routing_key, pattern, queue)
-        except redis_py.ResponseError as exc:
-            if not wrong_type(exc):
-                raise
-            self._set_aside(self._binding_keys(exchange))
-            super()._queue_bind(exchange, routing_key, pattern, queue)
+        again_if_wrong_type(self.conn_or_acquire, self._binding_keys(exchange),
+                            lambda: super(Channel, self)._queue_bind(exchange, routing_key, pattern, queue))
 
     def get_table(self, exchange: str) -> Any:
-        try:
-            return super().get_table(exchange)
-        except redis_py.ResponseError as exc:
-            if not wrong_type(exc):
-                raise
-            self._set_aside(self._binding_keys(exchange))
-            return super().get_table(exchange)
+        return again_if_wrong_type(self.conn_or_acquire, self._binding_keys(exchange),
+                                   lambda: super(Channel, self).get_table(exchange))
 
 
 class Transport(redis.Transport):
