@@ -1160,20 +1160,27 @@ class Surfaces:
             task.save()
             return task
 
-    def import_beat(self, problems: list[str]) -> str | None:
+    def command(self, name: str, *args: str, problems: list[str]) -> str | CommandError | None:
+        """`manage.py NAME ARGS`: what it printed, or its CommandError; None, and a
+        problem, when it raised anything else. A printed control or format character is
+        a problem too."""
         out = StringIO()
         try:
-            call_command("import_beat", "--owner", self.beat_owner.user.username, stdout=out)
+            call_command(name, *args, stdout=out)
         except CommandError as exc:
-            return f"CommandError: {exc}"
+            return exc
         except Exception as exc:
-            problems.append(f"import_beat raised {type(exc).__name__}: {str(exc)[:300]}\n"
+            problems.append(f"{name} raised {type(exc).__name__}: {str(exc)[:300]}\n"
                             f"{traceback.format_exc()[-1500:]}")
             return None
         text = out.getvalue()
         for line in unsafe_lines(text):
-            problems.append(f"import_beat printed a control or format character: {line[:200]!r}")
+            problems.append(f"{name} printed a control or format character: {line[:200]!r}")
         return text
+
+    def import_beat(self, problems: list[str]) -> str | None:
+        got = self.command("import_beat", "--owner", self.beat_owner.user.username, problems=problems)
+        return f"CommandError: {got}" if isinstance(got, CommandError) else got
 
     def check_beat(self, batch: list[BeatInput]) -> list[str]:
         owner = self.beat_owner.user
@@ -1278,22 +1285,13 @@ class Surfaces:
     # ------------------------------------------------------------------ 5. sync_jobs
 
     def sync(self, problems: list[str]) -> str | None:
-        out = StringIO()
-        try:
-            call_command("sync_jobs", stdout=out)
-        except CommandError as exc:
-            self.tally.refused_because("sync_jobs", exc)
-            if unsafe_lines(str(exc)) or "\n" in str(exc):
-                problems.append(f"sync_jobs' error is not one line free of control characters: {str(exc)[:300]!r}")
+        got = self.command("sync_jobs", problems=problems)
+        if isinstance(got, CommandError):
+            self.tally.refused_because("sync_jobs", got)
+            if unsafe_lines(str(got)) or "\n" in str(got):
+                problems.append(f"sync_jobs' error is not one line free of control characters: {str(got)[:300]!r}")
             return None
-        except Exception as exc:
-            problems.append(f"sync_jobs raised {type(exc).__name__}: {str(exc)[:300]}\n"
-                            f"{traceback.format_exc()[-1500:]}")
-            return None
-        text = out.getvalue()
-        for line in unsafe_lines(text):
-            problems.append(f"sync_jobs printed a control or format character: {line[:200]!r}")
-        return text
+        return got
 
     def check_sync(self, batch: list[SyncInput]) -> list[str]:
         common: list[str] = []
