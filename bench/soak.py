@@ -652,7 +652,7 @@ class Soak:
 
     def fault_duplicate_delivery(self) -> dict[str, Any]:
         from runs.models import Run
-        from scanners.scan import publish_runs
+        from scanners.messages import publish_runs
 
         deadline = time.monotonic() + 5
         running: list[int] = []

@@ -26,6 +26,8 @@ from jobs.validators import target_key
 from runs.delivery import iso_z
 from runs.models import OPEN_KEPT_FOR, OPEN_KEPT_FOR_SQL, Run
 from runs.services import EXCLUDED_PREFIX, job_next_run, jobs_lock, notify_dead, run_next_create
+from scanners.messages import publish_runs
+from scanners.shares import ServiceShares, ShareFloors
 
 logger = logging.getLogger("scheduler.scanner")
 S = Run.Status
@@ -46,6 +48,9 @@ class ScanResult:
     # Late runs left as they were, their job locked by an edit: the next scan looks
     # again, so the floors stay below them.
     left: list[int] = field(default_factory=list)
+    # A due read stepped over the runs of services holding their share of the queue
+    # (ServiceShares): due runs are left that the next scan, not an interval, looks at.
+    shared_out: bool = False
 
     @property
     def to_publish(self) -> list[int]:
@@ -79,6 +84,7 @@ def scan_once(
     work: "Work | None" = None,
     floors: "dict[int, tuple[datetime, int]] | None" = None,
     ceilings: "dict[int, tuple[datetime, int]] | None" = None,
+    share_floors: "ShareFloors | None" = None,
 ) -> ScanResult:
     """Scan the given partitions once; publish what became queued, batch by batch,
     each after its transaction commits.
@@ -145,6 +151,10 @@ def scan_once(
     room = settings.SCHEDULER_MAX_QUEUED - waiting
     chunk = queue_chunk()
     left = room if room >= chunk else 0
+    # A service's share of the queue (SCHEDULER_SERVICE_QUEUED): the services holding
+    # theirs are stepped over by this scan's due reads, so that one service's burst
+    # does not queue ahead of another's runs due just after it.
+    shares = ServiceShares.read(parts, up_to, waiting) if left > 0 else ServiceShares()
     # With a message's worth already waiting, the workers are behind: a run queued
     # ahead will not be taken before its time anyway, and slicing by due time
     # (run_messages) would only make messages of a few runs each, every one paying a
@@ -166,8 +176,10 @@ def scan_once(
         mine = ScanResult()
         try:
             with transaction.atomic():
+                skipping = shares.full()
+                after = share_floors.after(skipping, floors) if skipping and share_floors is not None else floors
                 due = list(
-                    claims.lock_due(partitions=parts, now=horizon, limit=limit, after=floors)
+                    claims.lock_due(partitions=parts, now=horizon, limit=limit, after=after, skip_owners=skipping)
                     .select_related("job").only(*DUE_FIELDS)
                 )
                 if ceilings is not None:
@@ -186,20 +198,31 @@ def scan_once(
         except _LeaseLost:
             return result  # the batch's writes undone: the partitions' new scanner decides
         result.add(mine)
+        slow = shares.took(queued)
+        if skipping:
+            result.shared_out = True
         as_it_was = set(mine.left)
         result.taken += [(run.partition, run.due_at, run.pk) for run in due if run.pk not in as_it_was]
-        if floors is not None:
-            # Queued, misfired or set aside: none of them waits any more. A run left as it
-            # was still waits: its partition's floor stays below it (`due` is in floor order).
+        # Queued, misfired or set aside: none of them waits any more. A run left as it
+        # was still waits: its partition's floor stays below it (`due` is in floor order).
+        # A read that stepped over the services holding their share moves their share
+        # floors instead: the runs it stepped over still wait below the runs it took.
+        moved = floors if not skipping else (share_floors.at if share_floors is not None else None)
+        if moved is not None:
             stopped: set[int] = set()
             for run in due:
                 if run.pk in as_it_was:
                     stopped.add(run.partition)
                 elif run.partition not in stopped:
-                    floors[run.partition] = max(floors.get(run.partition, claims.NO_FLOOR), (run.due_at, run.pk))
+                    moved[run.partition] = max(moved.get(run.partition, claims.NO_FLOOR), (run.due_at, run.pk))
+            if skipping and len(due) < limit:
+                # Read to the horizon: every other service's run due by then was taken.
+                for part in parts:
+                    if part not in stopped:
+                        moved[part] = max(moved.get(part, claims.NO_FLOOR), (horizon, 0))
         if publish and queued:
             publish_runs([run.pk for run in queued], hosts={run.pk: _host(run.job) for run in queued},
-                         due={} if behind else {run.pk: run.due_at for run in queued}, now=at)
+                         due={} if behind else {run.pk: run.due_at for run in queued}, now=at, slow=slow)
         left -= len(queued)
         if len(due) < limit:
             break
@@ -436,7 +459,7 @@ def _host(job: Job) -> str:
 DUE_FIELDS = (
     "id", "job_id", "partition", "scheduled_for", "due_at", "status", "attempt", "is_backfill",
     "job__id", "job__window_seconds", "job__target", "job__task", "job__queue", "job__schedule",
-    "job__schedule_list", "job__every_seconds", "job__misfire",
+    "job__schedule_list", "job__every_seconds", "job__misfire", "job__owner",
 )
 
 
@@ -804,57 +827,3 @@ def _skip_times(job: Job, times: list[datetime], now: datetime, result: ScanResu
     result.skipped += len(created)
 
 
-def due_slice() -> float:
-    """Seconds within which a message's runs not yet due are due (of its first): half
-    the look-ahead. The worker holding it claims them as they come due
-    (runs.services.CLAIM_WAVE); the next slice goes to another worker child."""
-    return settings.SCHEDULER_LOOKAHEAD / 2
-
-
-def publish_runs(
-    run_ids: list[int], hosts: dict[int, str] | None = None, due: dict[int, datetime] | None = None,
-    now: datetime | None = None,
-) -> None:
-    """Runs onto the run queue over one broker connection (see run_messages)."""
-    from runs.tasks import execute_runs
-    from scheduler_project.celery import app
-
-    # When it was sent, by the clock that stamped the runs' queued_at (claims.claim_many).
-    sent = {"sent_at": now.isoformat()} if now is not None else {}
-    with app.producer_or_acquire() as producer:
-        for ids in run_messages(run_ids, hosts=hosts or {}, due=due or {}, now=now):
-            execute_runs.apply_async((ids,), sent, producer=producer)
-
-
-def run_messages(
-    run_ids: list[int], *, hosts: dict[int, str], due: dict[int, datetime], now: datetime | None
-) -> list[list[int]]:
-    """The messages for runs in due order: SCHEDULER_DISPATCH_BATCH to a message, each
-    message's runs to one target host where the host is known (so one slow host's
-    message does not carry another host's runs); runs not yet due at `now` (`due`
-    says when, for those queued ahead) in slices of due_slice(). Runs already due go
-    together, full batches as ever. The messages go out earliest first."""
-    # More runs to one host than its bulkhead holds would only be put back to wait.
-    size = max(1, min(settings.SCHEDULER_DISPATCH_BATCH, settings.SCHEDULER_TARGET_CONCURRENCY))
-    slice_ = timedelta(seconds=due_slice())
-    open_by_host: dict[str, tuple[datetime | None, list[int]]] = {}
-    messages: list[tuple[datetime | None, list[int]]] = []
-    for run_id in run_ids:
-        when = due.get(run_id)
-        starts = None if when is None or now is None or when <= now else when  # None: due already
-        host = hosts.get(run_id, "")
-        first, ids = open_by_host.get(host, (None, []))
-        if starts is None:
-            fits = first is None  # with the other runs already due
-        else:
-            fits = first is not None and starts - first <= slice_
-        fits = fits and len(ids) < size
-        if not ids or not fits:
-            ids = []
-            messages.append((starts, ids))
-            first = starts
-        ids.append(run_id)
-        open_by_host[host] = (first, ids)
-    due_now = [ids for starts, ids in messages if starts is None]
-    ahead = sorted((starts, i) for i, (starts, _) in enumerate(messages) if starts is not None)
-    return due_now + [messages[i][1] for _, i in ahead]

@@ -74,6 +74,7 @@ class Pacer:
     _scanned_at: datetime | None = field(init=False, default=None)
     _unchecked: Work | None = field(init=False, default=None)  # the probe before the last scan
     _full: bool = field(init=False, default=False)
+    _shared_out: bool = field(init=False, default=False)
     _notices_after: datetime | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
@@ -107,6 +108,11 @@ class Pacer:
         if before is None or self._full:
             return
         for kind, t in self.times(work, lookahead=0).items():
+            # Due runs left by a scan that stepped over a service holding its share of
+            # the queue are that service's: other services' runs coming due are scanned
+            # for a gap apart, not an interval (scan_once, ServiceShares).
+            if kind == "due" and self._shared_out:
+                continue
             if t <= before.now and (kind != "due" or work.due == before.due):
                 self._stuck[kind] = before.now + timedelta(seconds=self.interval)
 
@@ -139,6 +145,7 @@ class Pacer:
         """A scan ran at work.now (the probe's clock, which the scan used)."""
         self._scanned_at, self._unchecked = work.now, work
         self._full = max(len(result.lease_expired), len(result.republished), len(result.resumed)) >= self.batch
+        self._shared_out = result.shared_out
 
     def notices_due(self, work: Work) -> bool:
         at = self._notices_at(work)

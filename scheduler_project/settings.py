@@ -519,6 +519,16 @@ if SCHEDULER_WORKER_SWITCH_INTERVAL < 0:
 # unclaimed: due runs stay `scheduled` in the store (the truth) instead of piling up
 # in the broker, where they would be published again after SCHEDULER_REQUEUE_AFTER.
 SCHEDULER_MAX_QUEUED = env_int("SCHEDULER_MAX_QUEUED", 5000)
+# Of those, one service's (the jobs of one owner) at most this many, give or take a
+# scan batch: past it the scanner steps over that service's due runs and queues other
+# services' (scanners.scan.scan_once), so one service's burst of due runs waits in the
+# store, behind its own runs, not in the broker ahead of everyone's. A service's runs
+# queued past its first SCHEDULER_DISPATCH_BATCH (or this, if less) go on the run
+# queue's slow lane (a broker priority: Redis), behind other services' messages.
+# 0: no share and one lane (one service may fill SCHEDULER_MAX_QUEUED).
+SCHEDULER_SERVICE_QUEUED = env_int("SCHEDULER_SERVICE_QUEUED", 1000)
+if SCHEDULER_SERVICE_QUEUED < 0:
+    raise ImproperlyConfigured(f"SCHEDULER_SERVICE_QUEUED must be 0 or more, not {SCHEDULER_SERVICE_QUEUED}")
 # A queued run no worker has claimed after this long is published again
 # (its message may have been lost: Redis keeps nothing on disk).
 SCHEDULER_REQUEUE_AFTER = env_int("SCHEDULER_REQUEUE_AFTER", 30)

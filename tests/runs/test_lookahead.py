@@ -31,7 +31,8 @@ from runs import services as run_services
 from runs.models import Run, RunRollup
 from runs.ops import target_pause
 from runs.services import run_execute, run_execute_many
-from scanners.scan import due_slice, run_messages, scan_once
+from scanners.messages import due_slice, run_messages
+from scanners.scan import scan_once
 from tests.factories import make_job, make_run, timeline_types, entries, entry
 from tests.target import LoopbackTarget
 

@@ -25,7 +25,10 @@ run. What must hold:
 
 - every write of the scan is one the model allows (a waiting run due by the horizon
   queued, an expired lease released), and the store agrees with the model after each;
-- each scan queues every waiting run due, however far its floors had moved;
+- each scan queues every waiting run due, however far its floors had moved, but for
+  the runs of a service that holds its share of the queue (SCHEDULER_SERVICE_QUEUED,
+  one here, among two services): a scan steps over those from its share floors
+  (scanners.shares.ShareFloors), which are lowered and dropped with the floors;
 - each read of runs in flight finds what an unbounded read finds (the earliest lease
   end, the oldest queued run, the count of queued runs), and a scan releases every
   ended lease, except for runs another scanner queued since the ceilings were last
@@ -42,7 +45,7 @@ import pytest
 from django.db import connection
 from django.db.models import Count, Max, Min
 from django.test import override_settings
-from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis import HealthCheck, event, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from jobs.models import Job
@@ -50,7 +53,9 @@ from runs import claims
 from runs.models import Run
 from scanners.management.commands.scanner import Command
 from scanners.scan import next_work, scan_once
+from scanners.shares import ShareFloors
 from scanners.wakeups import CEILINGS_READ_EVERY, Ceilings, Listener
+from jobs.services import service_account_ensure
 from tests.factories import expire_lease, make_job, make_run
 
 S = Run.Status
@@ -63,9 +68,12 @@ pytestmark = [
 PARTS = [2, 5, 11]
 WAITING, QUEUED, RUNNING, ENDED = "waiting", "queued", "running", "ended"
 LOOKAHEAD = 1.0
+SHARE = 1  # runs of one service queued at once (SCHEDULER_SERVICE_QUEUED)
 
 
 class BoundedReads(RuleBasedStateMachine):
+    shared_out_scans = 0  # scans, in all examples, that left a service's due runs for its share
+
     def __init__(self) -> None:
         super().__init__()
         self.state: dict[int, str] = {}
@@ -81,6 +89,9 @@ class BoundedReads(RuleBasedStateMachine):
         self.command = Command.__new__(Command)
         self.command.listener = self
         self.command.floors = self.floors
+        self.command.share_floors = ShareFloors()
+        self.owners = [service_account_ensure(name=name)[0] for name in ("alpha", "beta")]
+        self.owner_of: dict[int, int] = {}  # run id: its job's owner id
 
     def take_lowered(self) -> tuple[bool, dict[int, datetime]]:
         """The Listener's side of the scanner command's _lower_floors."""
@@ -107,17 +118,20 @@ class BoundedReads(RuleBasedStateMachine):
         return sorted(pk for pk, s in self.state.items() if s == state)
 
     # ------------------------------------------------------------------ writes
-    @precondition(lambda self: self.made < 24)
-    @rule(part=st.sampled_from(PARTS), offset=st.integers(min_value=-30, max_value=3), same=st.booleans())
-    def add(self, part: int, offset: int, same: bool) -> None:
-        """A waiting run, due up to 30 s ago or a little after the look-ahead; `same`:
-        due at the same time as the partition's last run (a spike's runs share one)."""
+    @precondition(lambda self: self.made < 30)
+    @rule(part=st.sampled_from(PARTS), offset=st.integers(min_value=-30, max_value=3), same=st.booleans(),
+          owner=st.sampled_from([0, 1]))
+    def add(self, part: int, offset: int, same: bool, owner: int) -> None:
+        """A waiting run of one of two services, due up to 30 s ago or a little after the
+        look-ahead; `same`: due at the same time as the partition's last run (a spike's
+        runs share one)."""
         now = claims.store_now()
         last = Run.objects.filter(partition=part, pk__in=list(self.state)).order_by("-pk").first()
         due = last.due_at if same and last is not None else now + timedelta(seconds=offset)
         self.made += 1
-        run = make_run(make_job(name=f"job {self.made}"), due, partition=part)
+        run = make_run(make_job(self.owners[owner], name=f"job {self.made}"), due, partition=part)
         self.state[run.pk] = WAITING
+        self.owner_of[run.pk] = self.owners[owner].pk
         self._notify(run)
 
     @precondition(lambda self: any(s in (QUEUED, RUNNING) for s in self.state.values()))
@@ -173,6 +187,7 @@ class BoundedReads(RuleBasedStateMachine):
     def partitions_change_hands(self) -> None:
         """What the scanner command does when its partitions change, or a turn fails."""
         self.floors = {}
+        self.command.share_floors.clear()
         self.ceilings.forget()
 
     @rule()
@@ -217,7 +232,7 @@ class BoundedReads(RuleBasedStateMachine):
         expired = set(self.expired)
         bounded = not self.foreign and self.ceilings.for_scan() is not None
         result = scan_once(partitions=PARTS, now=now, publish=False, floors=self.floors,
-                           ceilings=self.ceilings.for_scan())
+                           ceilings=self.ceilings.for_scan(), share_floors=self.command.share_floors)
         horizon = now + timedelta(seconds=LOOKAHEAD)
         for pk in result.queued:
             assert self.state[pk] == WAITING
@@ -229,7 +244,13 @@ class BoundedReads(RuleBasedStateMachine):
             self.expired.discard(pk)
         assert not result.set_aside and not result.skipped
         left = Run.objects.filter(pk__in=self._in(WAITING), due_at__lte=now).values_list("pk", flat=True)
-        assert list(left) == [], "a due run was left waiting by a scan"
+        queued_of = {owner: sum(1 for pk in self._in(QUEUED) if self.owner_of[pk] == owner)
+                     for owner in self.owner_of.values()}
+        for pk in left:
+            assert queued_of[self.owner_of[pk]] >= SHARE, "a due run of a service under its share was left waiting"
+        if left:
+            event("a scan left a service's due runs for its share")
+            BoundedReads.shared_out_scans += 1
         if bounded:  # a batch of them a scan, the earliest ended first
             assert len(result.lease_expired) == min(3, len(expired)), "a lease that ran out was not released"
 
@@ -246,10 +267,13 @@ def test_the_scanners_bounded_reads_miss_no_run() -> None:
     # Misfire: a run up to a minute late is not late here (only the reads are tested);
     # three runs a batch, so a scan takes several batches and moves its floors between.
     with override_settings(SCHEDULER_LOOKAHEAD=LOOKAHEAD, SCHEDULER_SCAN_BATCH=3, SCHEDULER_MAX_QUEUED=10_000,
-                           SCHEDULER_MISFIRE_GRACE=600):
+                           SCHEDULER_MISFIRE_GRACE=600, SCHEDULER_SERVICE_QUEUED=SHARE):
+        BoundedReads.shared_out_scans = 0
         run_state_machine_as_test(BoundedReads, settings=settings(
             max_examples=60, stateful_step_count=40, deadline=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+    print(f"scans that left a service's due runs for its share: {BoundedReads.shared_out_scans}")
+    assert BoundedReads.shared_out_scans >= 15, "the share rule was hardly drawn"
 
 
 def test_a_read_bounded_by_the_ceilings_does_not_read_the_waiting_backlog() -> None:
@@ -324,6 +348,7 @@ def test_a_run_that_turns_waiting_behind_the_floor_is_notified_with_its_due_time
         assert listener.take_lowered() == (True, {})  # what was written before it listened: unknown
         command = Command.__new__(Command)
         command.listener, command.floors, command.floors_dropped_at = listener, {}, time.monotonic()
+        command.share_floors = ShareFloors()
         now = claims.store_now()
         first = make_run(make_job(name="first"), now - timedelta(seconds=1), partition=3)
         assert _lowered(listener) == (False, {3: first.due_at})
@@ -349,3 +374,36 @@ def test_a_run_that_turns_waiting_behind_the_floor_is_notified_with_its_due_time
         assert _lowered(listener, wait=0.5) == (False, {})
     finally:
         listener.stop()
+
+
+def test_a_run_notified_behind_the_share_floors_is_read_by_the_next_scan_that_steps_over_a_service() -> None:
+    """Alpha holds its share of the queue (one run here), so scans step over its due runs
+    and read beta's from the share floors, which the read before moved to its horizon.
+    A run of beta's that turns waiting behind them (due a while ago: run now, a retry)
+    is notified, the share floors go down to it with the floors, and the next scan
+    queues it; alpha's waiting run stays for its share."""
+    alpha, _ = service_account_ensure(name="alpha")
+    beta, _ = service_account_ensure(name="beta")
+    command = Command.__new__(Command)
+    notified: dict[int, datetime] = {}
+    command.listener = type("Notified", (), {"take_lowered": lambda self: (False, notified.copy())})()
+    command.floors, command.floors_dropped_at, command.share_floors = {}, float("inf"), ShareFloors()
+    now = claims.store_now()
+
+    def scan() -> list[int]:
+        command._lower_floors(False)
+        notified.clear()
+        return scan_once(partitions=[5], now=claims.store_now(), publish=False, floors=command.floors,
+                         share_floors=command.share_floors).queued
+
+    with override_settings(SCHEDULER_SERVICE_QUEUED=1, SCHEDULER_MAX_QUEUED=100, SCHEDULER_LOOKAHEAD=1.0):
+        first = make_run(make_job(alpha, name="a1"), now - timedelta(seconds=20), partition=5)
+        second = make_run(make_job(alpha, name="a2"), now - timedelta(seconds=19), partition=5)
+        assert scan() == [first.pk, second.pk]  # no share held before the scan: it counts from none
+        third = make_run(make_job(alpha, name="a3"), now - timedelta(seconds=18), partition=5)
+        assert scan() == []  # alpha holds its share: stepped over, the share floor at the horizon
+        assert command.share_floors.at[5][0] > now
+        late = make_run(make_job(beta, name="b1"), now - timedelta(seconds=30), partition=5)
+        notified[5] = late.due_at  # what the trigger sends (the test's transaction delivers none)
+        assert scan() == [late.pk]
+        assert Run.objects.get(pk=third.pk).status == S.SCHEDULED

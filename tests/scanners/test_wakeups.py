@@ -108,6 +108,24 @@ def test_work_a_scan_could_not_do_waits_a_scan_interval_instead_of_being_scanned
     assert p.scan_due(Work(now=at(1.0), due=at(-3)))
 
 
+def test_due_runs_a_scan_left_for_a_services_share_are_scanned_for_a_gap_later_not_an_interval() -> None:
+    """A scan that stepped over a service holding its share of the queue left its due
+    runs due on purpose (scan_once: `shared_out`): other services' runs coming due
+    meanwhile are behind them in due order, and must not wait an interval."""
+    p = pacer(interval=1.0, lookahead=0.5)
+    p.scanned(Work(now=T0, due=at(-3)), ScanResult(shared_out=True))
+    still = Work(now=at(0.01), due=at(-3))
+    p.observe(still)
+    assert not p.scan_due(still)
+    assert p.sleep(still) == pytest.approx(0.24)  # the gap (half the look-ahead) since the scan
+    assert p.scan_due(Work(now=at(0.25), due=at(-3)))
+    # The same scan without stepping over anyone: the runs wait the interval.
+    q = pacer(interval=1.0, lookahead=0.5)
+    q.scanned(Work(now=T0, due=at(-3)), ScanResult())
+    q.observe(still)
+    assert not q.scan_due(Work(now=at(0.25), due=at(-3)))
+
+
 def test_a_scan_that_filled_a_batch_goes_straight_on() -> None:
     p = pacer(batch=3)
     p.scanned(Work(now=T0, lease=at(-9)), ScanResult(lease_expired=[1, 2, 3]))

@@ -44,6 +44,7 @@ from runs.models import Run
 from scanners.management.commands import scanner as scanner_command
 from scanners.management.commands.scanner import Command
 from scanners.scan import scan_once
+from scanners.shares import ShareFloors
 from scanners.wakeups import Listener
 from tests.factories import expire_lease, make_job, make_run
 
@@ -65,6 +66,7 @@ class Scanner:
         self.command = Command.__new__(Command)
         self.command.listener, self.command.floors = listener, {}
         self.command.floors_dropped_at = time.monotonic()
+        self.command.share_floors = ShareFloors()
         self.later = claims.store_now() + timedelta(seconds=120)  # every scan's clock
 
     def raise_floor(self, partition: int) -> None:

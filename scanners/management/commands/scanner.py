@@ -17,6 +17,7 @@ from runs.retention import every as upkeep_every
 from runs.tasks import keep_run_partitions, send_notices
 from scanners.coordination import PartitionLeases, make_leases
 from scanners.scan import ScanResult, next_work, scan_once, scanner_session
+from scanners.shares import ShareFloors
 from scanners.vacuum import OpenRunsVacuum
 from scanners.wakeups import FLOORS_DROP_EVERY, RETRY_AFTER_ERROR, Ceilings, FlightReads, Listener, Pacer
 
@@ -68,6 +69,7 @@ class Command(BaseCommand):
         # Where each partition's reads of waiting runs start (scanners.scan.scan_once's
         # `floors`): after the last run a scan took there, until the next full read.
         self.floors: dict[int, tuple[Any, int]] = {}
+        self.share_floors = ShareFloors()  # lowered and dropped with the floors
         # Where each partition's reads of runs in flight stop (scanners.wakeups.Ceilings).
         self.ceilings = Ceilings()
         self.floors_dropped_at = 0.0  # time.monotonic() of the last drop of every floor
@@ -120,6 +122,7 @@ class Command(BaseCommand):
             self.pacer.forget()
             self.flight.forget()
             self.floors = {}
+            self.share_floors.clear()
             self.ceilings.forget()
         self.owned = owned
         if self.listener is not None:
@@ -146,12 +149,13 @@ class Command(BaseCommand):
             # its partitions stop being this scanner's meanwhile.
             result = scan_once(partitions=owned, now=work.now, advance=True,
                                keep_going=lambda: leases.poll() == owned, work=work, floors=self.floors,
-                               ceilings=self.ceilings.for_scan())
+                               ceilings=self.ceilings.for_scan(), share_floors=self.share_floors)
         except Exception:  # the database is down or a statement failed: try again next turn
             logger.exception("scan failed")
             self._store_failed()
             self.flight.forget()
             self.floors = {}
+            self.share_floors.clear()
             self.ceilings.forget()
             self.rescan = True
             return min(self.pacer.longest, RETRY_AFTER_ERROR)
@@ -176,6 +180,7 @@ class Command(BaseCommand):
         if self.listener is None:
             if full:
                 self.floors = {}
+            self.share_floors.clear()  # nothing lowers them: each scan's steps from the floors
             return
         unknown, lowered = self.listener.take_lowered()
         if unknown or now - self.floors_dropped_at >= FLOORS_DROP_EVERY:
@@ -183,6 +188,7 @@ class Command(BaseCommand):
             # dropped (_count_found_by_drop): runs nothing woke it for.
             self.dropped = {} if unknown else dict(self.floors)
             self.floors, self.floors_dropped_at = {}, now
+            self.share_floors.clear()
             for part, due in lowered.items():  # notified: not the drop's finds
                 if part in self.dropped and (due, 0) < self.dropped[part]:
                     self.dropped[part] = (due, 0)
@@ -191,6 +197,7 @@ class Command(BaseCommand):
             floor = self.floors.get(part)
             if floor is not None and (due, 0) < floor:
                 self.floors[part] = (due, 0)
+            self.share_floors.lower(part, (due, 0))
 
     def _count_found_by_drop(self, result: ScanResult) -> None:
         """The runs the scan after a timed floor drop took from behind the floors it

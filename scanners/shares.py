@@ -1,0 +1,104 @@
+"""One service's share of a scanner's queue (SCHEDULER_SERVICE_QUEUED), and the run
+queue's two lanes.
+
+The scan reads due runs in due order, and SCHEDULER_MAX_QUEUED bounds what waits in the
+broker: without a share, one service's burst (a backfill, thousands of one-offs due at
+one instant) filled that room, and every other service's run due a moment later waited
+until the whole burst had been queued. Past its share, a scan steps over a service's
+due runs (ServiceShares, runs.claims.lock_due's `skip_owners`), from the share floors
+(ShareFloors), and the others' are queued in the same scan. In the broker, a service's
+runs past its first message's worth go on the slow lane (SLOW_LANE), read after every
+other service's messages.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from django.conf import settings
+
+from runs import claims
+from runs.models import Run
+
+
+# A service's runs queued past its first this many (SCHEDULER_DISPATCH_BATCH, or its
+# share if that is less) go on the run queue's slow lane (SLOW_LANE).
+def fast_lane_runs() -> int:
+    return max(1, min(settings.SCHEDULER_DISPATCH_BATCH, settings.SCHEDULER_SERVICE_QUEUED))
+
+
+# The broker priority of the slow lane's messages. kombu's Redis transport keeps a list
+# per priority step and a worker's read takes the lowest step first: the messages of a
+# service with a message's worth already queued wait behind every other service's
+# (priority 0, Celery's default). RabbitMQ honours it only on a queue declared with
+# x-max-priority, and the embedded broker not at all: there, one lane.
+SLOW_LANE = 9
+
+
+@dataclass
+class ServiceShares:
+    """The runs each service has queued in a scan's partitions, while one may hold its
+    share (SCHEDULER_SERVICE_QUEUED) or be past its fast lane (fast_lane_runs). Read
+    only when the queue holds a fast lane's worth in all: below that no service can be
+    past either, and the scan reads (and publishes) as it always did."""
+
+    share: int = 0
+    queued: dict[int, int] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, parts: list[int], up_to: datetime | None, waiting: int) -> "ServiceShares":
+        share = settings.SCHEDULER_SERVICE_QUEUED
+        if share <= 0:
+            return cls()
+        if waiting < fast_lane_runs():
+            return cls(share=share)
+        return cls(share=share, queued=claims.count_queued_by_owner(partitions=parts, up_to=up_to))
+
+    def full(self) -> list[int]:
+        """The services that hold their share now."""
+        return sorted(owner for owner, n in self.queued.items() if n >= self.share) if self.share else []
+
+    def took(self, queued: list[Run]) -> set[int]:
+        """Counts `queued` (just queued, in due order) in; returns those of them that go
+        on the slow lane: past their service's fast lane."""
+        slow: set[int] = set()
+        if self.share:
+            lane = fast_lane_runs()
+            for run in queued:
+                before = self.queued.get(run.job.owner_id, 0)
+                if before >= lane:
+                    slow.add(run.pk)
+                self.queued[run.job.owner_id] = before + 1
+        return slow
+
+
+@dataclass
+class ShareFloors:
+    """Where a due read that steps over the services holding their share of the queue
+    (ServiceShares) starts in each partition: after the last run such a read took there,
+    or the horizon it read to. Their runs wait below it, so the scanner's floors cannot
+    move there; without these, every such read stepped over the whole of their backlog
+    again. Valid for one set of services stepped over (another set starts afresh), and
+    lowered, and dropped, wherever the scanner's floors are (the scanner command's
+    _lower_floors): a run turning waiting behind them is notified the same way."""
+
+    skipping: list[int] = field(default_factory=list)
+    at: dict[int, tuple[datetime, int]] = field(default_factory=dict)
+
+    def after(self, skipping: list[int],
+              floors: "dict[int, tuple[datetime, int]] | None") -> dict[int, tuple[datetime, int]]:
+        if skipping != self.skipping:
+            self.skipping, self.at = list(skipping), {}
+        merged = dict(floors or {})
+        for part, key in self.at.items():
+            merged[part] = max(merged.get(part, claims.NO_FLOOR), key)
+        return merged
+
+    def lower(self, part: int, key: tuple[datetime, int]) -> None:
+        if part in self.at and key < self.at[part]:
+            self.at[part] = key
+
+    def clear(self) -> None:
+        self.at = {}
+
+

@@ -1,0 +1,153 @@
+"""A service's share of the scanner's queue (SCHEDULER_SERVICE_QUEUED).
+
+The scan reads due runs in due order, and SCHEDULER_MAX_QUEUED bounds what waits in the
+broker. One service's burst (thousands of runs due at one instant) used to fill that
+room, and every other service's run due a moment later waited in the store until the
+whole burst had been queued. Past its share, a service's runs are stepped over and the
+others' are queued in the same scan; its own runs wait behind it, in the store.
+
+Real PostgreSQL, the real scan (scanners.scan.scan_once); the broker is left out
+(publish=False): what is queued is the store's `queued`.
+"""
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.conf import settings
+from django.db import connection
+from django.test import override_settings
+
+from jobs.services import service_account_ensure
+from runs import claims
+from runs.models import Run
+from scanners.scan import scan_once
+from scanners.shares import SLOW_LANE, ShareFloors
+from tests.factories import make_job
+
+pytestmark = [pytest.mark.django_db]
+S = Run.Status
+BURST = 1_500
+
+
+def burst_and_neighbour() -> tuple[int, Run]:
+    """Alpha's BURST runs due a second ago (one job's, as a backfill makes them), beta's
+    one run due now: after all of them in due order."""
+    alpha, _ = service_account_ensure(name="alpha")
+    beta, _ = service_account_ensure(name="beta")
+    now = claims.store_now()
+    job = make_job(alpha, name="burst")
+    Run.objects.bulk_create(Run(job=job, scheduled_for=now - timedelta(seconds=1, microseconds=i),
+                                due_at=now - timedelta(seconds=1), partition=job.pk % 16, is_backfill=True)
+                            for i in range(BURST))
+    neighbour = make_job(beta, name="neighbour")
+    run = Run.objects.create(job=neighbour, scheduled_for=now, due_at=now, partition=neighbour.pk % 16)
+    return job.pk, run
+
+
+def queued_of(job_id: int) -> int:
+    return Run.objects.filter(job_id=job_id, status=S.QUEUED).count()
+
+
+@pytest.mark.embedded
+@pytest.mark.parametrize("share", [200, 0])
+def test_past_its_share_a_services_burst_is_stepped_over_and_anothers_run_is_queued_in_the_same_scan(
+    share: int,
+) -> None:
+    burst, neighbour = burst_and_neighbour()
+    with override_settings(SCHEDULER_SERVICE_QUEUED=share, SCHEDULER_MAX_QUEUED=1_000, SCHEDULER_SCAN_BATCH=100):
+        floors: dict = {}
+        result = scan_once(partitions=list(range(16)), publish=False, floors=floors, share_floors=ShareFloors())
+    if share:
+        # The neighbour's run is queued in the burst's first scan; the burst stops at its
+        # share, give or take a scan batch, and waits in the store.
+        assert Run.objects.get(pk=neighbour.pk).status == S.QUEUED
+        assert share <= queued_of(burst) <= share + 100
+        assert result.shared_out
+        # The floors stay below the burst's waiting runs: the next scan (the share free
+        # again once workers have taken the queued ones) reads them from there.
+        Run.objects.filter(job_id=burst, status=S.QUEUED).update(status=S.SUCCEEDED)
+        with override_settings(SCHEDULER_SERVICE_QUEUED=share, SCHEDULER_MAX_QUEUED=1_000, SCHEDULER_SCAN_BATCH=100):
+            scan_once(partitions=list(range(16)), publish=False, floors=floors, share_floors=ShareFloors())
+        assert share <= queued_of(burst) <= share + 100
+    else:
+        # Without a share the burst fills SCHEDULER_MAX_QUEUED and the neighbour waits.
+        assert queued_of(burst) == 1_000
+        assert Run.objects.get(pk=neighbour.pk).status == S.SCHEDULED
+        assert not result.shared_out
+
+
+def test_a_service_alone_is_held_to_its_share_too_and_the_scan_says_so() -> None:
+    """With room under SCHEDULER_MAX_QUEUED and no other service due, a scan still stops
+    a service at its share (the share is what waits in the broker ahead of others' runs
+    to come). The scan says so (`shared_out`), and the scanner scans again a gap later,
+    not an interval later (wakeups.Pacer), queueing more as workers take the queued."""
+    if connection.vendor != "postgresql":
+        pytest.skip("PostgreSQL's due read")
+    burst, _ = burst_and_neighbour()
+    Run.objects.exclude(job_id=burst).delete()
+    with override_settings(SCHEDULER_SERVICE_QUEUED=300, SCHEDULER_MAX_QUEUED=1_000, SCHEDULER_SCAN_BATCH=100):
+        result = scan_once(partitions=list(range(16)), publish=False, floors={}, share_floors=ShareFloors())
+    assert 300 <= queued_of(burst) <= 400
+    assert result.shared_out
+
+
+@pytest.fixture
+def run_queue() -> Iterator[tuple[Any, str, str]]:
+    """The run queue's lanes on the test's own Redis database, emptied before and after:
+    (client, the fast lane's key, the slow lane's key)."""
+    if not settings.CELERY_BROKER_URL.startswith("redis"):
+        pytest.skip("reads the Redis run queue")
+    import redis
+
+    from scheduler_project.celery import app
+
+    client = redis.Redis.from_url(settings.CELERY_BROKER_URL)
+    queue = settings.CELERY_TASK_DEFAULT_QUEUE
+    with app.connection_for_write() as conn:
+        slow_key = conn.default_channel._q_for_pri(queue, SLOW_LANE)
+    assert slow_key != queue
+    client.delete(queue, slow_key)
+    yield client, queue, slow_key
+    client.delete(queue, slow_key)
+
+
+def _ids(client: Any, key: str) -> list[int]:
+    return [run_id for raw in reversed(client.lrange(key, 0, -1))
+            for run_id in json.loads(base64.b64decode(json.loads(raw)["body"]))[0][0]]
+
+
+def test_past_its_fast_lane_a_services_runs_go_on_the_slow_lane_and_anothers_are_read_first(
+    run_queue: tuple[Any, str, str],
+) -> None:
+    """Its share is what may wait in the broker; of that, all but a message's worth goes
+    on the slow lane (a broker priority), so another service's run published after them
+    is read before them. The worker's read is kombu's: the lowest priority step first."""
+    client, fast_key, slow_key = run_queue
+    burst, neighbour = burst_and_neighbour()
+    with override_settings(SCHEDULER_SERVICE_QUEUED=1_000, SCHEDULER_MAX_QUEUED=2_000, SCHEDULER_SCAN_BATCH=100,
+                           SCHEDULER_DISPATCH_BATCH=200, SCHEDULER_TARGET_CONCURRENCY=100):
+        scan_once(partitions=list(range(16)), publish=True, floors={}, share_floors=ShareFloors())
+    fast, slow = _ids(client, fast_key), _ids(client, slow_key)
+    burst_ids = set(Run.objects.filter(job_id=burst).values_list("pk", flat=True))
+    # The burst's first 200 on the fast lane (no count before the scan: from none), the
+    # rest of its share on the slow one; the neighbour's run on the fast lane.
+    assert len([i for i in fast if i in burst_ids]) == 200
+    assert len(slow) == 1_000 - 200 and set(slow) <= burst_ids
+    assert neighbour.pk in fast
+    from scheduler_project.celery import app
+
+    # A worker's read: the fast lane's messages, the neighbour's among them, before any slow one.
+    with app.connection_for_read() as conn:
+        channel = conn.default_channel
+        order: list[int] = []
+        while len(order) < len(fast) + 1:
+            message = channel.basic_get(settings.CELERY_TASK_DEFAULT_QUEUE, no_ack=True)
+            assert message is not None
+            order += message.decode()[0][0]
+    assert neighbour.pk in order[:len(fast)]
+    assert order[len(fast)] in slow
