@@ -18,12 +18,13 @@ from jobs.services import service_account_ensure
 
 
 
-def owner_id() -> int:
-    user, _ = service_account_ensure(name="bench")
+def owner_id(name: str = "bench") -> int:
+    user, _ = service_account_ensure(name=name)
     return int(user.pk)
 
 
-def insert_jobs(*, count: int, schedule_expr: str, target: str, window_seconds: int, run_at: datetime | None = None) -> list[int]:
+def insert_jobs(*, count: int, schedule_expr: str, target: str, window_seconds: int, run_at: datetime | None = None,
+                owner: str = "bench") -> list[int]:
     from jobs.models import Job
 
     columns, values = defaults_sql(
@@ -37,7 +38,7 @@ def insert_jobs(*, count: int, schedule_expr: str, target: str, window_seconds: 
     with connection.cursor() as cursor:
         cursor.execute(
             f"INSERT INTO jobs ({columns}) SELECT {values} FROM generate_series(1, %s) RETURNING id",
-            [owner_id(), schedule_expr, run_at, target, window_seconds, count],
+            [owner_id(owner), schedule_expr, run_at, target, window_seconds, count],
         )
         return sorted(row[0] for row in cursor.fetchall())
 
@@ -101,20 +102,23 @@ def insert_runs(rows: list[tuple[int, datetime, datetime]], *, status: str = "sc
             cursor.execute(sql, [[r[0] for r in chunk], [r[1] for r in chunk], [r[2] for r in chunk]])
 
 
-def cron_jobs_with_first_runs(*, count: int, schedule_expr: str, target: str, window_seconds: int, after: datetime) -> list[int]:
-    ids = insert_jobs(count=count, schedule_expr=schedule_expr, target=target, window_seconds=window_seconds)
+def cron_jobs_with_first_runs(*, count: int, schedule_expr: str, target: str, window_seconds: int, after: datetime,
+                              owner: str = "bench") -> list[int]:
+    ids = insert_jobs(count=count, schedule_expr=schedule_expr, target=target, window_seconds=window_seconds,
+                      owner=owner)
     first = schedule.next_cron_time(schedule_expr, "UTC", after)
     window = timedelta(seconds=window_seconds)
     insert_runs([(i, first, schedule.spread_due_at(i, first, window)) for i in ids])
     return ids
 
 
-def one_off_jobs(*, times: list[datetime], target: str) -> list[int]:
-    """One one-off job per time (whole seconds), its run due then."""
+def one_off_jobs(*, times: list[datetime], target: str, owner: str = "bench") -> list[int]:
+    """One one-off job per time (whole seconds), its run due then, of service `owner`."""
     ids: list[int] = []
     for chunk_start in range(0, len(times), 50_000):
         chunk = times[chunk_start : chunk_start + 50_000]
-        made = insert_jobs(count=len(chunk), schedule_expr="", target=target, window_seconds=0, run_at=chunk[0])
+        made = insert_jobs(count=len(chunk), schedule_expr="", target=target, window_seconds=0, run_at=chunk[0],
+                           owner=owner)
         insert_runs([(job_id, t, t) for job_id, t in zip(made, chunk)])
         with connection.cursor() as cursor:
             cursor.execute("UPDATE jobs SET run_at = r.scheduled_for FROM runs r WHERE r.job_id = jobs.id AND jobs.id = ANY(%s)", [made])

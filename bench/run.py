@@ -1,6 +1,6 @@
 """Benches on the production layout: `python bench/run.py SCENARIO [options]`.
 
-Scenarios: sustained, spike, scan, beat, neighbours, failover, limits, ops, idle, restarts, store, prune. Each prints a table
+Scenarios: sustained, spike, scan, beat, neighbours, noisy-neighbour, failover, limits, ops, idle, restarts, store, prune. Each prints a table
 and writes bench/results/<scenario>.json (with the machine it ran on).
 PostgreSQL and Redis must be up (scripts/test.sh leaves them so); the bench
 starts its own ZooKeeper on BENCH_ZK_PORT (21812) and its own target on
@@ -49,6 +49,11 @@ def main() -> int:
 
     p = sub.add_parser("neighbours", help="a fast job beside a 65 s one on one host, minute by minute")
     p.add_argument("--minutes", type=int, default=10, help="the measured minutes")
+
+    p = sub.add_parser("noisy-neighbour", help="one service's hanging targets, dying runs and burst beside another's")
+    p.add_argument("--minutes", type=int, default=10, help="each phase's length: the quiet service alone, then both")
+    p.add_argument("--burst", type=int, default=50_000, help="the noisy service's runs due at one instant")
+    p.add_argument("--out-name", default="noisy-neighbour", help="writes bench/results/<OUT_NAME>.json")
 
     p = sub.add_parser("failover", help="scanner and worker kill -9 to recovery")
     p.add_argument("--lease", type=int, default=10)
@@ -99,7 +104,7 @@ def main() -> int:
     scenarios.add_layout_options(p)
 
     args = parser.parse_args()
-    return int(getattr(scenarios, args.scenario)(args) or 0)
+    return int(getattr(scenarios, args.scenario.replace("-", "_"))(args) or 0)
 
 
 if __name__ == "__main__":

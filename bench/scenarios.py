@@ -461,6 +461,12 @@ def neighbours(args: argparse.Namespace) -> int:
     return neighbours_scenario.run(args)
 
 
+def noisy_neighbour(args: argparse.Namespace) -> int:
+    from bench import noisy_neighbour_scenario
+
+    return noisy_neighbour_scenario.run(args)
+
+
 def failover(args: argparse.Namespace) -> int:
     from bench import failover_scenario
 

@@ -180,7 +180,7 @@ class Flights:
                         if wait is not None and wait <= 0 and backlog() > 0:
                             # Calls wait for a thread: the process is at its limit, and
                             # the child waits too (the back-pressure), a while more.
-                            deadline = time.monotonic() + (detach_after or 0.0)
+                            deadline = time.monotonic() + (detach_after or DETACH_AFTER)
                             continue
                         if wait is not None and wait <= 0:
                             # Slow calls: the writer lands them, the child goes on.

@@ -620,6 +620,11 @@ class _BreakerView:
     def _open(read: _BreakerRead, host: str) -> bool:
         return host in read.seen and read.seen[host][0] != breakers.B.CLOSED
 
+    def in_trouble(self, host: str) -> bool:
+        """The last read found `host`'s breaker open, half-open or counting failures
+        (a timeout, no answer, a 5xx since its last good answer)."""
+        return host in self._read.seen
+
     def nothing_to_reset(self, host: str) -> bool:
         read = self._read
         return host in read.hosts and host not in read.seen
@@ -862,8 +867,20 @@ class _Batch:
         last, or (detached) until flights.DETACH_AFTER has passed with calls still in
         flight: the process's writer lands those (runs.flights)."""
         self.write_started()
-        process_flights().land_all(self.landed, detach_after=flights.DETACH_AFTER if self.detach else None,
+        process_flights().land_all(self.landed, detach_after=self._detach_after(),
                                    backlog=delivery.call_pool().backlog)
+
+    def _detach_after(self) -> float | None:
+        """Detached: how long this worker child waits for its calls before the process's
+        writer takes them over. At once when every host of the batch is in trouble by its
+        breaker (its last calls timed out or failed): a host that hangs would hold the
+        child DETACH_AFTER for each of its messages, and one service's many such hosts
+        held every child of a worker in turn, other services' messages waiting behind."""
+        if not self.detach:
+            return None
+        if self.hosts and all(self.breakers.in_trouble(host) for host in self.hosts):
+            return 0.0
+        return flights.DETACH_AFTER
 
 
 def _next_wave(waiting: list[Run], now: datetime) -> tuple[list[Run], list[Run]]:

@@ -23,7 +23,7 @@ from django.db import connection
 from django.utils import timezone
 
 from jobs.services import job_create
-from runs import flights, services
+from runs import breakers, flights, services
 from runs.models import Run
 from runs.services import run_execute_many
 from tests.runs.calls import events_of
@@ -121,3 +121,22 @@ def test_past_its_share_of_slow_calls_a_services_next_run_waits_and_anothers_is_
         assert len(target.calls("/quick")) == 2
     for run in hanging:
         assert wait_for_status(run, {S.SUCCEEDED}, HANG + 5).status == S.SUCCEEDED
+
+
+@pytest.mark.parametrize("trouble", [True, False])
+def test_a_detached_batch_to_a_host_in_trouble_hands_its_calls_over_at_once(
+    service: Any, target: LoopbackTarget, monkeypatch: pytest.MonkeyPatch, trouble: bool,
+) -> None:
+    """A host whose breaker counts failures (its last call timed out) is expected to
+    hang again: its batch's child hands the call to the writer at once instead of
+    waiting DETACH_AFTER (lengthened here past the call, so that waiting shows as the
+    call's own outcome), and takes its next message. Another host's batch waits."""
+    monkeypatch.setattr(flights, "DETACH_AFTER", HANG + 2)
+    run = queued_now(service.user, "hangs", target.url("/hang"))
+    if trouble:
+        host = services.target_key(run.job)
+        breakers.record(host=host, holder=str(run.pk), trouble=True, error="timeout", now=timezone.now())
+        assert breakers.counting([host])[host][1] == 1
+    outcome = detached([run])[run.pk]
+    assert outcome == ("calling" if trouble else "succeeded")
+    assert wait_for_status(run, {S.SUCCEEDED}, HANG + 5).status == S.SUCCEEDED

@@ -904,7 +904,8 @@ def check_every_due_time_has_a_row(mj: ModelJob, rows: list[Run], timeline: dict
 def _capped_gaps(rows: list[Run], timeline: dict[int, list[RunEvent]]) -> list[tuple[datetime, datetime]]:
     """Spans left without rows on purpose: a misfire after a long outage writes
     `skipped` rows for the latest SCHEDULER_MISFIRE_MAX_SKIPPED missed times only and
-    counts the earlier ones on its `misfired` event (`other_missed_times`); a next-run
+    counts the earlier ones on its `misfired` event (`other_missed_times`); so does an
+    outcome for the times that passed while its run was in flight (`passed_in_flight`); a next-run
     decision writes rows for the first SCHEDULER_EXCLUDE_MAX_SKIPPED excluded times
     only and counts the rest on the last one's `skipped` event (`excluded_without_row`)."""
     cap = django_settings.SCHEDULER_MISFIRE_MAX_SKIPPED
@@ -917,6 +918,20 @@ def _capped_gaps(rows: list[Run], timeline: dict[int, list[RunEvent]]) -> list[t
     # The excluded times without a row run up to the job's next row of its own (an
     # earlier timing's cancelled rows may lie between).
     lived = [r for r in ordered if r.status != S.CANCELLED and not r.is_backfill]
+    # Times that passed while a run was in flight: the latest SCHEDULER_MISFIRE_MAX_SKIPPED
+    # get `skipped` rows and every one is counted on their events (`passed_in_flight`);
+    # the earlier ones lie between the job's row before the first of those and it (the
+    # long profile found the model missing a month-long flight's counted times).
+    first_of_flight: dict[str, Run] = {}
+    for run in lived:
+        for e in timeline.get(run.pk, []):
+            if (e.type == "skipped" and e.detail.get("reason") == "overlap"
+                    and e.detail.get("passed_in_flight", 0) > cap):
+                first_of_flight.setdefault(e.detail.get("in_flight", ""), run)
+    for first in first_of_flight.values():
+        i = lived.index(first)
+        if i > 0:
+            gaps.append((lived[i - 1].scheduled_for, first.scheduled_for))
     return gaps + [
         (run.scheduled_for, lived[i + 1].scheduled_for)
         for i, run in enumerate(lived[:-1])
@@ -1362,4 +1377,33 @@ def test_a_retried_dead_run_leaves_the_pause_after_failures_row(target: ChosenAn
         ("retry_dead", {"newest": False}),
         ("advance_clock", {"seconds": 3600}),
         ("retry_dead", {"newest": False}),
+    ])
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(SCHEDULER_BREAKER_FAILURES=10**6, SCHEDULER_MISFIRE_GRACE=60, SCHEDULER_LEASE_SECONDS=60)
+def test_the_model_counts_the_times_of_a_month_long_flight_without_rows(target: ChosenAnswerTarget) -> None:
+    """The long profile's find (5,000 examples): a mixed batch's slow call moved the clock
+    a month on an every-two-minutes job; of the 20,000 times that passed in flight the
+    store writes rows for the latest 1,000 and counts all on their events
+    (`passed_in_flight`). The model took the earlier ones for lost."""
+    owner, _ = service_account_ensure(name="stateful", email="stateful@example.test")
+    replay(owner, target, [
+        ("first_job", {"failures": 0, "cron": "0 0 1 1 *", "retries": 0, "kind": "cron", "zone": "UTC", "exclude": (),
+                       "later": 1111, "overlap": "skip", "window": 0, "misfire": "skip"}),
+        ("run_now", {"job": 1}),
+        ("run_now", {"job": 1}),
+        ("edit_timing", {"cron": "*/5 * * * *", "job": 1, "kind": "zone", "later": 1312, "zone": "UTC"}),
+        ("retry_dead", {"newest": True}),
+        ("run_now", {"job": 1}),
+        ("edit_timing", {"cron": "0 0 1 1 *", "job": 1, "kind": "zone", "later": 383, "zone": "UTC"}),
+        ("mixed_batch", {"slow": 150}),
+        ("edit_target", {"job": 1, "other": True}),
+        ("edit_target", {"job": 1, "other": False}),
+        ("edit_target", {"job": 1, "other": True}),
+        ("backfill", {"hours": 2, "job": 1}),
+        ("claim", {"many": True}),
+        ("retry_dead", {"newest": False}),
+        ("claim", {"many": False}),
+        ("mixed_batch", {"slow": 150}),
     ])
