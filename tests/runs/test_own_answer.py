@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from django.db import connection
+from django.db import OperationalError, connection
 from django.utils import timezone
 
 from jobs.models import Job
@@ -67,7 +67,16 @@ def in_a_batch(runs: list[Run]) -> tuple[threading.Thread, dict[int, str]]:
 def wait_for_status(run: Run, statuses: set[str], seconds: float) -> Run:
     deadline = time.monotonic() + seconds
     while True:
-        found = Run.objects.get(pk=run.pk)
+        try:
+            found = Run.objects.get(pk=run.pk)
+        except OperationalError as exc:
+            # The embedded tests' in-memory SQLite shares one cache between the test's
+            # connections: a read while the batch's thread writes `runs` is refused at once
+            # ("database table is locked"), with no busy wait. The poll just looks again.
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+            continue
         if found.status in statuses or time.monotonic() > deadline:
             return found
         time.sleep(0.02)
