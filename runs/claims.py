@@ -766,14 +766,10 @@ def lock_due(*, partitions: list[int], now: datetime, limit: int,
     if connection.vendor == "postgresql":
         # `= ANY(ARRAY(...))`, not `IN (...)`: the ids come as one array, looked up
         # by primary key, which the planner never turns into a scan of the table.
-        if skip_owners:
-            due = due.filter(RawSQL(f'"runs"."id" = ANY(ARRAY({DUE_IDS_SKIPPING_SQL}))',
-                                    (*floor_params(list(partitions), after), now, list(skip_owners), limit, limit),
-                                    output_field=BooleanField()))
-        else:
-            due = due.filter(RawSQL(f'"runs"."id" = ANY(ARRAY({DUE_IDS_SQL}))',
-                                    (*floor_params(list(partitions), after), now, limit, limit),
-                                    output_field=BooleanField()))
+        sql, skipped = (DUE_IDS_SKIPPING_SQL, [list(skip_owners)]) if skip_owners else (DUE_IDS_SQL, [])
+        due = due.filter(RawSQL(f'"runs"."id" = ANY(ARRAY({sql}))',
+                                (*floor_params(list(partitions), after), now, *skipped, limit, limit),
+                                output_field=BooleanField()))
     else:  # the embedded SQLite file: small, and no LATERAL
         due = due.filter(partition__in=partitions)
         if skip_owners:
