@@ -12,18 +12,16 @@ SQLite file), the batch on a thread of its own as a worker child runs it.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from django.db import OperationalError, connection
-from django.utils import timezone
+from django.db import connection
 
 from jobs.models import Job
-from jobs.services import job_create
 from runs.models import Run
 from runs.services import run_execute_many
+from tests.runs.calls import queued_now, wait_for_status
 from tests.target import LoopbackTarget
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.embedded]
@@ -39,17 +37,6 @@ def target() -> Iterator[LoopbackTarget]:
     server.stop()
 
 
-def queued_now(owner: Any, name: str, url: str, **fields: Any) -> Run:
-    values = {"name": name, "schedule": "* * * * *", "target": url, "retry_max": 1, "retry_base_seconds": 1,
-              "timeout_seconds": 30}
-    values.update(fields)
-    job = job_create(owner=owner, fields=values)
-    run = Run.objects.get(job=job, status=S.SCHEDULED)
-    now = timezone.now()
-    Run.objects.filter(pk=run.pk).update(status=S.QUEUED, due_at=now, queued_at=now)
-    return Run.objects.get(pk=run.pk)
-
-
 def in_a_batch(runs: list[Run]) -> tuple[threading.Thread, dict[int, str]]:
     out: dict[int, str] = {}
 
@@ -62,24 +49,6 @@ def in_a_batch(runs: list[Run]) -> tuple[threading.Thread, dict[int, str]]:
     thread = threading.Thread(target=worker)
     thread.start()
     return thread, out
-
-
-def wait_for_status(run: Run, statuses: set[str], seconds: float) -> Run:
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            found = Run.objects.get(pk=run.pk)
-        except OperationalError as exc:
-            # The embedded tests' in-memory SQLite shares one cache between the test's
-            # connections: a read while the batch's thread writes `runs` is refused at once
-            # ("database table is locked"), with no busy wait. The poll just looks again.
-            if "locked" not in str(exc) or time.monotonic() > deadline:
-                raise
-            time.sleep(0.02)
-            continue
-        if found.status in statuses or time.monotonic() > deadline:
-            return found
-        time.sleep(0.02)
 
 
 def test_a_fast_calls_outcome_lands_while_a_slow_call_of_its_batch_is_still_in_flight(

@@ -22,11 +22,10 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
-from jobs.services import job_create
 from runs import breakers, flights, services
 from runs.models import Run
 from runs.services import run_execute_many
-from tests.runs.calls import events_of
+from tests.runs.calls import events_of, queued_now, wait_for_status
 from tests.target import LoopbackTarget
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
@@ -53,16 +52,6 @@ def _postgresql_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     time.sleep(1.0)
 
 
-def queued_now(owner: Any, name: str, url: str) -> Run:
-    # One host for all (its bulkhead, 10 calls, is never what holds a run back here).
-    job = job_create(owner=owner, fields={"name": name, "schedule": "* * * * *", "target": url, "retry_max": 1,
-                                          "retry_base_seconds": 1, "timeout_seconds": 30})
-    run = Run.objects.get(job=job, status=S.SCHEDULED)
-    now = timezone.now()
-    Run.objects.filter(pk=run.pk).update(status=S.QUEUED, due_at=now, queued_at=now)
-    return Run.objects.get(pk=run.pk)
-
-
 def detached(runs: list[Run]) -> dict[int, str]:
     """One message's batch as a detached worker child runs it, on a thread of its own."""
     out: dict[int, str] = {}
@@ -78,15 +67,6 @@ def detached(runs: list[Run]) -> dict[int, str]:
     thread.join(30)
     assert not thread.is_alive()
     return out
-
-
-def wait_for_status(run: Run, statuses: set[str], seconds: float) -> Run:
-    deadline = time.monotonic() + seconds
-    while True:
-        found = Run.objects.get(pk=run.pk)
-        if found.status in statuses or time.monotonic() > deadline:
-            return found
-        time.sleep(0.02)
 
 
 @pytest.mark.parametrize("share", [2, 3])
