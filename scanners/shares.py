@@ -12,11 +12,14 @@ other service's messages.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from datetime import datetime
 
 from django.conf import settings
+from django.db.models import Max, Min
 
+from jobs.models import Job
 from runs import claims
 from runs.models import Run
 
@@ -35,12 +38,45 @@ def fast_lane_runs() -> int:
 SLOW_LANE = 9
 
 
+# How long a scanner trusts its answer to "does more than one service have jobs"
+# (several_services): a second service's first jobs are shared out at most this late.
+SERVICES_KNOWN_FOR = 5.0
+
+
+@dataclass
+class _Services:
+    several: bool = True
+    asked_at: float | None = None
+
+
+_services = _Services()
+
+
+def several_services() -> bool:
+    """Whether jobs of more than one service are in the store (two index probes of
+    jobs_owner_idx, asked again every SERVICES_KNOWN_FOR seconds). A service alone has
+    no neighbour to give way to: its scans neither count by service nor step over its
+    runs, which cost the store a walk of its whole backlog at each floor drop, about
+    a third of the top rate (docs/performance.md)."""
+    now = time.monotonic()
+    if _services.asked_at is None or now - _services.asked_at >= SERVICES_KNOWN_FOR:
+        span = Job.objects.aggregate(lo=Min("owner_id"), hi=Max("owner_id"))
+        _services.several, _services.asked_at = span["lo"] != span["hi"], now
+    return _services.several
+
+
+def forget_services() -> None:
+    """several_services asks the store again at its next call (tests)."""
+    _services.asked_at = None
+
+
 @dataclass
 class ServiceShares:
     """The runs each service has queued in a scan's partitions, while one may hold its
     share (SCHEDULER_SERVICE_QUEUED) or be past its fast lane (fast_lane_runs). Read
-    only when the queue holds a fast lane's worth in all: below that no service can be
-    past either, and the scan reads (and publishes) as it always did."""
+    only when the queue holds a fast lane's worth in all (below that no service can be
+    past either) and the store holds more than one service's jobs (several_services);
+    otherwise the scan reads (and publishes) as it always did."""
 
     share: int = 0
     queued: dict[int, int] = field(default_factory=dict)
@@ -48,7 +84,7 @@ class ServiceShares:
     @classmethod
     def read(cls, parts: list[int], up_to: datetime | None, waiting: int) -> "ServiceShares":
         share = settings.SCHEDULER_SERVICE_QUEUED
-        if share <= 0:
+        if share <= 0 or not several_services():
             return cls()
         if waiting < fast_lane_runs():
             return cls(share=share)

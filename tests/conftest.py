@@ -49,6 +49,17 @@ def _no_breaker_read_left_over() -> Any:
 
 
 @pytest.fixture(autouse=True)
+def _no_services_read_left_over() -> Any:
+    """A scanner keeps its read of how many services have jobs for a moment
+    (scanners.shares.SERVICES_KNOWN_FOR); a test's jobs are new, so each test starts
+    without one."""
+    from scanners import shares
+
+    shares.forget_services()
+    yield
+
+
+@pytest.fixture(autouse=True)
 def _no_bulkhead_slots_left_over() -> Any:
     """Bulkhead slots in Redis outlive a test's database; start each test without any."""
     from django.conf import settings

@@ -51,6 +51,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from jobs.models import Job
 from runs import claims
 from runs.models import Run
+from scanners import shares
 from scanners.management.commands.scanner import Command
 from scanners.scan import next_work, scan_once
 from scanners.shares import ShareFloors
@@ -91,6 +92,10 @@ class BoundedReads(RuleBasedStateMachine):
         self.command.floors = self.floors
         self.command.share_floors = ShareFloors()
         self.owners = [service_account_ensure(name=name)[0] for name in ("alpha", "beta")]
+        # Both services have jobs from the start: the scans share out (shares.several_services).
+        for owner in self.owners:
+            make_job(owner, name=f"{owner.username}'s first")
+        shares.forget_services()
         self.owner_of: dict[int, int] = {}  # run id: its job's owner id
 
     def take_lowered(self) -> tuple[bool, dict[int, datetime]]:
@@ -270,7 +275,7 @@ def test_the_scanners_bounded_reads_miss_no_run() -> None:
                            SCHEDULER_MISFIRE_GRACE=600, SCHEDULER_SERVICE_QUEUED=SHARE):
         BoundedReads.shared_out_scans = 0
         run_state_machine_as_test(BoundedReads, settings=settings(
-            max_examples=60, stateful_step_count=40, deadline=None,
+            max_examples=100, stateful_step_count=40, deadline=None, derandomize=True,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
     print(f"scans that left a service's due runs for its share: {BoundedReads.shared_out_scans}")
     assert BoundedReads.shared_out_scans >= 15, "the share rule was hardly drawn"
@@ -396,6 +401,7 @@ def test_a_run_notified_behind_the_share_floors_is_read_by_the_next_scan_that_st
         return scan_once(partitions=[5], now=claims.store_now(), publish=False, floors=command.floors,
                          share_floors=command.share_floors).queued
 
+    make_job(beta, name="b0")  # two services with jobs: the scans share out (shares.several_services)
     with override_settings(SCHEDULER_SERVICE_QUEUED=1, SCHEDULER_MAX_QUEUED=100, SCHEDULER_LOOKAHEAD=1.0):
         first = make_run(make_job(alpha, name="a1"), now - timedelta(seconds=20), partition=5)
         second = make_run(make_job(alpha, name="a2"), now - timedelta(seconds=19), partition=5)

@@ -22,9 +22,11 @@ from django.conf import settings
 from django.db import connection
 from django.test import override_settings
 
+from jobs.models import Job
 from jobs.services import service_account_ensure
 from runs import claims
 from runs.models import Run
+from scanners import shares
 from scanners.scan import scan_once
 from scanners.shares import SLOW_LANE, ShareFloors
 from tests.factories import make_job
@@ -81,11 +83,14 @@ def test_past_its_share_a_services_burst_is_stepped_over_and_anothers_run_is_que
         assert not result.shared_out
 
 
-def test_a_service_alone_is_held_to_its_share_too_and_the_scan_says_so() -> None:
-    """With room under SCHEDULER_MAX_QUEUED and no other service due, a scan still stops
-    a service at its share (the share is what waits in the broker ahead of others' runs
-    to come). The scan says so (`shared_out`), and the scanner scans again a gap later,
-    not an interval later (wakeups.Pacer), queueing more as workers take the queued."""
+def test_a_service_is_held_to_its_share_while_another_has_jobs_and_not_when_it_is_alone() -> None:
+    """With room under SCHEDULER_MAX_QUEUED and no other service's run due, a scan
+    still stops a service at its share while another service has jobs (the share is
+    what waits in the broker ahead of their runs to come). The scan says so
+    (`shared_out`), and the scanner scans again a gap later, not an interval later
+    (wakeups.Pacer), queueing more as workers take the queued. A service alone in the
+    store has no neighbour to give way to: its scans fill the room, without counting
+    by service or stepping over its runs (shares.several_services)."""
     if connection.vendor != "postgresql":
         pytest.skip("PostgreSQL's due read")
     burst, _ = burst_and_neighbour()
@@ -94,6 +99,13 @@ def test_a_service_alone_is_held_to_its_share_too_and_the_scan_says_so() -> None
         result = scan_once(partitions=list(range(16)), publish=False, floors={}, share_floors=ShareFloors())
     assert 300 <= queued_of(burst) <= 400
     assert result.shared_out
+
+    Job.objects.exclude(pk=burst).delete()
+    shares.forget_services()
+    with override_settings(SCHEDULER_SERVICE_QUEUED=300, SCHEDULER_MAX_QUEUED=1_000, SCHEDULER_SCAN_BATCH=100):
+        result = scan_once(partitions=list(range(16)), publish=False, floors={}, share_floors=ShareFloors())
+    assert queued_of(burst) == 1_000
+    assert not result.shared_out
 
 
 @pytest.fixture
