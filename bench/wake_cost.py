@@ -41,7 +41,7 @@ from django.db import connection, transaction  # noqa: E402
 from bench import load  # noqa: E402
 from runs.claims import store_now  # noqa: E402
 from runs.models import Notice  # noqa: E402
-from scanners.scan import NEXT_WORK_SQL, next_work_params  # noqa: E402
+from scanners.probe import NEXT_WORK_SQL, next_work_params  # noqa: E402
 
 INSERT_TRIGGER, UPDATE_TRIGGER = "runs_wake_scanner_insert", "runs_wake_scanner_update"
 

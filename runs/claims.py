@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from django.conf import settings
 from django.db import IntegrityError, OperationalError, connection, transaction
-from django.db.models import BooleanField, Case, Count, DateTimeField, ExpressionWrapper, F, Max, Q, QuerySet, Value, When
+from django.db.models import BooleanField, Case, DateTimeField, ExpressionWrapper, F, Max, Q, QuerySet, Value, When
 from django.db.models.expressions import Expression, RawSQL
 from django.utils import timezone
 
@@ -88,7 +88,7 @@ class Claim:
     attempt: int
     worker: str
     # The run's first claim (kept across retries and lease take-overs): when it went
-    # in flight, for the overlap policy (runs.services.job_next_runs).
+    # in flight, for the overlap policy (runs.nextrun.job_next_runs).
     started_at: datetime | None = None
     # This claim's own time, the store's clock in its statement (the row's `claimed`
     # entry): what is written beside the claim is stamped no earlier than it.
@@ -726,17 +726,6 @@ SELECT d.id
  LIMIT %s
 """.format(open=OPEN_KEPT_FOR_SQL)
 
-# The due read for a scan that leaves out the services holding their share of the
-# queue (scanners.scan.scan_once, SCHEDULER_SERVICE_QUEUED): the same walk of each
-# partition in due order, stepping over those services' runs, so that another service's
-# run due a moment after a burst of theirs is read now, not after the whole burst.
-DUE_IDS_SKIPPING_SQL = DUE_IDS_SQL.replace(
-    "AND r.kept_for = {open}".format(open=OPEN_KEPT_FOR_SQL),
-    "AND r.kept_for = {open}\n"
-    "          AND NOT EXISTS (SELECT 1 FROM jobs j WHERE j.id = r.job_id AND j.owner_id = ANY(%s::integer[]))"
-    .format(open=OPEN_KEPT_FOR_SQL))
-assert DUE_IDS_SKIPPING_SQL != DUE_IDS_SQL
-
 # Where a scanner's reads of waiting runs start in each partition: after the last run
 # (due time, id) its scans took there (scanners.scan.scan_once's floors). runs_due_idx_open holds
 # the waiting runs and those in flight together (migration runs 0017), the ones in
@@ -751,12 +740,10 @@ def floor_params(partitions: list[int], after: "dict[int, tuple[datetime, int]] 
 
 
 def lock_due(*, partitions: list[int], now: datetime, limit: int,
-             after: "dict[int, tuple[datetime, int]] | None" = None,
-             skip_owners: "list[int] | None" = None) -> "QuerySet[Run]":
+             after: "dict[int, tuple[datetime, int]] | None" = None) -> "QuerySet[Run]":
     """The scanner's question: due, still scheduled, not held, in my partitions,
     oldest first, at most `limit`; in each partition, after `after`'s (due time, id)
-    (PostgreSQL; the embedded SQLite file reads from the start); none of the jobs of
-    `skip_owners` (services that hold their share of the queue).
+    (PostgreSQL; the embedded SQLite file reads from the start).
 
     Rows are locked so that a second scanner (a frozen one that still believes it
     owns them) skips them.
@@ -766,14 +753,25 @@ def lock_due(*, partitions: list[int], now: datetime, limit: int,
     if connection.vendor == "postgresql":
         # `= ANY(ARRAY(...))`, not `IN (...)`: the ids come as one array, looked up
         # by primary key, which the planner never turns into a scan of the table.
-        sql, skipped = (DUE_IDS_SKIPPING_SQL, [list(skip_owners)]) if skip_owners else (DUE_IDS_SQL, [])
-        due = due.filter(RawSQL(f'"runs"."id" = ANY(ARRAY({sql}))',
-                                (*floor_params(list(partitions), after), now, *skipped, limit, limit),
+        due = due.filter(RawSQL(f'"runs"."id" = ANY(ARRAY({DUE_IDS_SQL}))',
+                                (*floor_params(list(partitions), after), now, limit, limit),
                                 output_field=BooleanField()))
     else:  # the embedded SQLite file: small, and no LATERAL
         due = due.filter(partition__in=partitions)
-        if skip_owners:
-            due = due.exclude(job__owner_id__in=skip_owners)
+    return _locked(due, limit)
+
+
+def lock_listed(*, ids: list[int], now: datetime, limit: int) -> "QuerySet[Run]":
+    """lock_due for runs read beforehand (scanners.shares.read_due_skipping): those of
+    `ids` still due, scheduled and not held, locked; one that another transaction
+    holds is left out."""
+    assert connection.in_atomic_block, "the due read runs inside the scan's transaction"
+    due = Run.objects.filter(with_status(S.SCHEDULED), held=False, due_at__lte=now)
+    due = due.filter(RawSQL('"runs"."id" = ANY(%s::bigint[])', (list(ids),), output_field=BooleanField()))
+    return _locked(due, limit)
+
+
+def _locked(due: "QuerySet[Run]", limit: int) -> "QuerySet[Run]":
     # `locked_at`: the store's clock of this statement, which a live scan stamps its
     # batch no earlier than (scanners.scan.scan_once).
     return due.order_by("due_at", "id").select_for_update(skip_locked=True, of=("self",)).annotate(
@@ -785,13 +783,6 @@ def count_queued(*, partitions: list[int], up_to: datetime | None = None) -> int
     in_flight_due_bound in runs_due_idx_open: at most SCHEDULER_MAX_QUEUED queued,
     those running and the waiting runs due by then)."""
     return Run.objects.filter(in_flight(up_to), with_status(S.QUEUED), partition__in=partitions).count()
-
-
-def count_queued_by_owner(*, partitions: list[int], up_to: datetime | None = None) -> dict[int, int]:
-    """count_queued, by the service (the owner of the job) each run is of."""
-    rows = (Run.objects.filter(in_flight(up_to), with_status(S.QUEUED), partition__in=partitions)
-            .values_list("job__owner_id").annotate(n=Count("id")).order_by())
-    return {owner: n for owner, n in rows}
 
 
 def mark_queued(*, run_ids: list[int], now: datetime, on_row: bool = False) -> int:

@@ -1,4 +1,4 @@
-"""When a scanner wakes: the probe's answer (scanners.scan.next_work) turned into a
+"""When a scanner wakes: the probe's answer (scanners.probe.next_work) turned into a
 sleep, and the LISTEN connection that wakes it sooner.
 
 A scanner sleeps until the earliest work in its partitions comes due (less the
@@ -23,7 +23,8 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from scanners.scan import ScanResult, Work
+from scanners.probe import Work
+from scanners.scan import ScanResult
 
 logger = logging.getLogger("scheduler.scanner")
 

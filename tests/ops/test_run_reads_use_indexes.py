@@ -28,7 +28,7 @@ from django.utils import timezone
 from jobs.models import Job
 from runs import claims, ops
 from runs.models import Run
-from scanners import scan
+from scanners import probe, scan
 from tests.conftest import Service
 from tests.factories import drop_time_partitions, make_job, make_run
 
@@ -203,7 +203,7 @@ def test_no_statement_reads_all_of_runs_with_history_in_it(operator_client: Clie
             assert owner.get("/api/runs/", **({"status": status} if status else {})).status_code == 200, status
 
     statements: list[tuple[str, Any]] = []
-    statements += sent_while(lambda: scan.next_work(parts, notices=True))
+    statements += sent_while(lambda: probe.next_work(parts, notices=True))
     statements += sent_while(lambda: scan.scan_once(partitions=parts, publish=False))
     statements += sent_while(recovery)
     statements += sent_while(pages)

@@ -175,7 +175,8 @@ def test_the_back_pressure_goes_by_the_probes_queued_count_plus_the_runs_queued_
     """The count of queued runs is read with the runs in flight (at most a second apart);
     in between FlightReads adds the runs this scanner queued, so the count is never less
     than there are and a full queue is not filled past SCHEDULER_MAX_QUEUED."""
-    from scanners.scan import ScanResult, Work, scan_once
+    from scanners.probe import Work
+    from scanners.scan import ScanResult, scan_once
     from scanners.wakeups import FlightReads
 
     now = timezone.now()

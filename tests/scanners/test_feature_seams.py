@@ -15,7 +15,8 @@ from django.test import override_settings
 
 from jobs.models import Job
 from jobs.services import job_create, job_delete, job_pause
-from scanners.scan import next_work, scan_once
+from scanners.probe import next_work
+from scanners.scan import scan_once
 from tests.factories import utc
 
 pytestmark = pytest.mark.django_db

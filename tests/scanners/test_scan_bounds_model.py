@@ -53,7 +53,8 @@ from runs import claims
 from runs.models import Run
 from scanners import shares
 from scanners.management.commands.scanner import Command
-from scanners.scan import next_work, scan_once
+from scanners.probe import next_work
+from scanners.scan import scan_once
 from scanners.shares import ShareFloors
 from scanners.wakeups import CEILINGS_READ_EVERY, Ceilings, Listener
 from jobs.services import service_account_ensure
@@ -295,13 +296,13 @@ def test_a_read_bounded_by_the_ceilings_does_not_read_the_waiting_backlog() -> N
     ceilings.read(work.ceilings)
     last = Run.objects.get(pk=first[-1])
     assert ceilings.known == {5: (last.due_at, last.pk)}
-    from scanners.scan import NEXT_WORK_SQL, next_work_params
+    from scanners.probe import NEXT_WORK_SQL, next_work_params
 
     def removed(bounded: bool) -> int:
         params = next_work_params([5], in_flight=True, notices=False,
                                   ceilings=ceilings.for_scan() if bounded else None)
         with connection.cursor() as cursor:
-            # As the scanner's own sessions plan (scanners.scan.SCANNER_SESSION_OPTIONS).
+            # As the scanner's own sessions plan (scanners.probe.SCANNER_SESSION_OPTIONS).
             cursor.execute("SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off")
             cursor.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + NEXT_WORK_SQL, params)
             plan = cursor.fetchone()[0]

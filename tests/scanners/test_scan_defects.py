@@ -22,8 +22,8 @@ from jobs.models import Job
 from jobs.services import job_create
 from runs import claims, invariants
 from runs.models import Run
-from runs.services import run_next_create
-from scanners import scan
+from runs.nextrun import run_next_create
+from scanners import probe, scan
 from scanners.scan import scan_once
 from tests.factories import entries, entry, expire_lease, make_job, make_run, timeline_types, utc
 
@@ -165,7 +165,7 @@ def test_a_late_run_whose_stored_schedule_no_longer_parses_costs_that_run_only(
 @override_settings(SCHEDULER_MISFIRE_GRACE=60)
 def test_a_late_run_whose_next_time_is_taken_goes_on_at_the_first_free_time(service: Any, broker: redis.Redis) -> None:
     # Was "...clashes_on_insert_costs_that_run_only" (the clash set the run aside);
-    # since the one next-run decision (runs.services.job_next_run) steps over a time
+    # since the one next-run decision (runs.nextrun.job_next_run) steps over a time
     # that already has a run, a clash costs nothing at all.
     jobs = _seventeen_late_jobs(service.user, misfire="skip")
     clashing = jobs[0]
@@ -497,15 +497,15 @@ def test_a_scan_given_its_probe_looks_only_for_the_kinds_of_work_it_says_are_due
     # each kind is next due, and a scan given it skips the kinds that are not.
     backlog = _queued_backlog(service.user, 5)  # queued at T0 + 31 s, none claimed
     later = T0 + timedelta(seconds=31 + 31)
-    not_yet = scan.Work(now=later, queued=T0 + timedelta(seconds=33))  # the oldest waited 29 s
+    not_yet = probe.Work(now=later, queued=T0 + timedelta(seconds=33))  # the oldest waited 29 s
     assert scan_once(partitions=ALL, now=later, publish=False, work=not_yet).republished == []
     assert sorted(scan_once(partitions=ALL, now=later, publish=False,
-                            work=scan.Work(now=later, queued=T0 + timedelta(seconds=31))).republished) == sorted(backlog)
+                            work=probe.Work(now=later, queued=T0 + timedelta(seconds=31))).republished) == sorted(backlog)
     # A lease that ran out is taken back only when the probe says one has.
     lost = _running_since_queued(service.user, T0)
     expire_lease(lost.pk)
     now = claims.store_now()
-    assert scan_once(partitions=ALL, now=now, publish=False, work=scan.Work(now=now)).lease_expired == []
+    assert scan_once(partitions=ALL, now=now, publish=False, work=probe.Work(now=now)).lease_expired == []
     assert Run.objects.get(pk=lost.pk).status == S.RUNNING
-    found = scan_once(partitions=ALL, now=now, publish=False, work=scan.Work(now=now, lease=now - timedelta(seconds=1)))
+    found = scan_once(partitions=ALL, now=now, publish=False, work=probe.Work(now=now, lease=now - timedelta(seconds=1)))
     assert found.lease_expired == [lost.pk]

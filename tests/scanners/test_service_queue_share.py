@@ -16,6 +16,7 @@ import json
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
+from unittest import mock
 
 import pytest
 from django.conf import settings
@@ -29,7 +30,7 @@ from runs.models import Run
 from scanners import shares
 from scanners.scan import scan_once
 from scanners.shares import SLOW_LANE, ShareFloors
-from tests.factories import make_job
+from tests.factories import make_job, make_run
 
 pytestmark = [pytest.mark.django_db]
 S = Run.Status
@@ -163,3 +164,83 @@ def test_past_its_fast_lane_a_services_runs_go_on_the_slow_lane_and_anothers_are
             order += message.decode()[0][0]
     assert neighbour.pk in order[:len(fast)]
     assert order[len(fast)] in slow
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_stepping_read_leaves_the_share_floor_below_a_run_it_could_not_lock() -> None:
+    """Alpha holds its share, so the scan steps over its runs. Beta's run is locked by
+    another transaction (a worker's deferral, a requeue) while the scan reads: not
+    queued, and the share floor stays below it, so the next stepping read takes it
+    without waiting for a floor drop. Moving the floor over every run read, as a plain
+    read does, left it behind the share floor until the share floors were dropped."""
+    if connection.vendor != "postgresql":
+        pytest.skip("PostgreSQL's due read and row locks")
+    import psycopg
+
+    alpha, _ = service_account_ensure(name="alpha")
+    beta, _ = service_account_ensure(name="beta")
+    now = claims.store_now()
+    first = make_job(alpha, name="a1")
+    part = first.pk % 16
+    make_run(first, now - timedelta(seconds=20), partition=part)
+    make_run(make_job(alpha, name="a2"), now - timedelta(seconds=19), partition=part)
+    held = make_run(make_job(beta, name="b1"), now - timedelta(seconds=18), partition=part)
+    share_floors, floors = ShareFloors(), {}
+
+    def scan() -> list[int]:
+        return scan_once(partitions=[part], now=claims.store_now(), publish=False, floors=floors,
+                         share_floors=share_floors).queued
+
+    with override_settings(SCHEDULER_SERVICE_QUEUED=1, SCHEDULER_MAX_QUEUED=100, SCHEDULER_SCAN_BATCH=1,
+                           SCHEDULER_LOOKAHEAD=1.0):
+        params = connection.get_connection_params()
+        params = {k: v for k, v in params.items() if k not in ("cursor_factory", "context", "prepare_threshold")}
+        with psycopg.connect(**params) as other:
+            other.execute("SELECT 1 FROM runs WHERE id = %s FOR UPDATE", (held.pk,))
+            assert len(scan()) == 1  # alpha's first: one a batch, then alpha holds its share
+            assert scan() == []  # stepping over alpha's; beta's is locked by the other transaction
+            assert share_floors.at.get(part, claims.NO_FLOOR) < (held.due_at, held.pk)
+            other.rollback()
+        assert scan() == [held.pk]
+
+
+def test_the_share_floors_outlive_the_timed_floor_drop_and_go_with_missed_notifications() -> None:
+    """The scanner drops its floors every FLOORS_DROP_EVERY seconds (a plain read's lock
+    may have passed a run); the share floors then stay, and go on their own timer
+    (SHARE_FLOORS_DROP_EVERY) or when notifications may have been missed. Each clear
+    costs the next stepping read a walk over the stepped-over backlog: at every floor
+    drop, that was a third of the store's CPU at the top rate."""
+    from scanners.management.commands.scanner import Command
+    from scanners.wakeups import FLOORS_DROP_EVERY
+
+    key = (claims.store_now(), 7)
+    missed = [False]
+    command = Command.__new__(Command)
+    command.listener = type("Notified", (), {"take_lowered": lambda self: (missed[0], {})})()
+    command.floors, command.share_floors = {3: key}, ShareFloors(at={3: key})
+    command.share_floors.cleared_at = 1_000.0
+    command.floors_dropped_at = 1_000.0
+
+    def turn(at: float) -> None:
+        with mock.patch("time.monotonic", return_value=at):
+            command._lower_floors(False)
+
+    turn(1_000.0 + FLOORS_DROP_EVERY)
+    assert command.floors == {} and command.share_floors.at == {3: key}
+    turn(1_000.0 + shares.SHARE_FLOORS_DROP_EVERY)
+    assert command.share_floors.at == {}
+    command.share_floors.at = {3: key}
+    missed[0] = True
+    turn(1_000.0 + shares.SHARE_FLOORS_DROP_EVERY + 1)
+    assert command.share_floors.at == {}
+
+
+def test_the_share_floors_hold_while_more_services_are_stepped_over_and_go_when_one_is_not() -> None:
+    """Valid for the set of services stepped over and any set that holds it: a run of a
+    service no longer stepped over may wait below them."""
+    key = (claims.store_now(), 7)
+    floors = ShareFloors(skipping=[1], at={3: key})
+    assert floors.after([1, 2], {})[3] == key
+    assert floors.after([1, 2], {}) == {3: key}
+    assert floors.after([2], {}) == {}
+    assert floors.at == {}

@@ -22,7 +22,8 @@ from runs import claims
 from runs.models import Notice, Run
 from scanners.coordination import LocalLeases
 from scanners.management.commands.scanner import Command
-from scanners.scan import NEXT_WORK_SQL, ScanResult, Work, next_work, next_work_params, scanner_session
+from scanners.probe import NEXT_WORK_SQL, Work, next_work, next_work_params, scanner_session
+from scanners.scan import ScanResult
 from scanners.wakeups import (
     CHANNEL, FLIGHT_READ_EVERY, LONGEST_SLEEP, NOTICE_CHECK_SECONDS, SCAN_GAP, FlightReads, Pacer, listen_params,
 )
@@ -442,7 +443,7 @@ def test_a_requeued_dead_run_and_a_reopened_cancelled_run_wake_their_scanner(
     """Both move a row from the history back to the open runs (migration runs 0015),
     which fires none of the table's UPDATE triggers: the store wakes the scanner itself."""
     from runs import ops
-    from runs.services import run_reopen
+    from runs.nextrun import run_reopen
 
     job = make_job(service.user)
     now = claims.store_now()
@@ -555,7 +556,7 @@ def test_a_scanner_woken_often_reads_its_runs_in_flight_at_most_once_a_second(se
     assert not thread.is_alive()
     elapsed = time.monotonic() - start
     probes = [given for (_, sql), given in window if sql == NEXT_WORK_SQL]
-    # The probe's fourth parameter is whether it reads the runs in flight (scan.next_work_params).
+    # The probe's fourth parameter is whether it reads the runs in flight (probe.next_work_params).
     reads = [given for given in probes if given[3] is not False]
     print(f"{len(probes)} probes in {elapsed:.2f} s, {len(reads)} of them read the runs in flight")
     assert len(probes) >= elapsed / interval / 2

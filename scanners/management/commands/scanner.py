@@ -16,7 +16,8 @@ from runs import rollups
 from runs.retention import every as upkeep_every
 from runs.tasks import keep_run_partitions, send_notices
 from scanners.coordination import PartitionLeases, make_leases
-from scanners.scan import ScanResult, next_work, scan_once, scanner_session
+from scanners.probe import next_work, scanner_session
+from scanners.scan import ScanResult, scan_once
 from scanners.shares import ShareFloors
 from scanners.vacuum import OpenRunsVacuum
 from scanners.wakeups import FLOORS_DROP_EVERY, RETRY_AFTER_ERROR, Ceilings, FlightReads, Listener, Pacer
@@ -33,7 +34,7 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, once: bool, identifier: str | None, **options: Any) -> None:
         self.stopping = threading.Event()
-        scanner_session(connection)  # plain index scans: scanners.scan.SCANNER_SESSION_OPTIONS
+        scanner_session(connection)  # plain index scans: scanners.probe.SCANNER_SESSION_OPTIONS
         leases = make_leases(identifier)
 
         def stop(*_: Any) -> None:
@@ -185,10 +186,14 @@ class Command(BaseCommand):
         unknown, lowered = self.listener.take_lowered()
         if unknown or now - self.floors_dropped_at >= FLOORS_DROP_EVERY:
             # On the timer alone, the next scan counts what it finds behind the floors
-            # dropped (_count_found_by_drop): runs nothing woke it for.
+            # dropped (_count_found_by_drop): runs nothing woke it for. The share
+            # floors go on a timer of their own (ShareFloors.dropped_for_locks).
             self.dropped = {} if unknown else dict(self.floors)
             self.floors, self.floors_dropped_at = {}, now
-            self.share_floors.clear()
+            if unknown:
+                self.share_floors.clear()
+            else:
+                self.share_floors.dropped_for_locks(now)
             for part, due in lowered.items():  # notified: not the drop's finds
                 if part in self.dropped and (due, 0) < self.dropped[part]:
                     self.dropped[part] = (due, 0)
