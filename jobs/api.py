@@ -68,12 +68,12 @@ from jobs.ops import TriggerRefused, job_trigger
 from jobs.models import AuditEntry, Job
 from jobs.pagination import query_value
 from jobs.public_ids import parse_id
+from jobs.fields import json_type_name
 from jobs.serializers import (
     AuditEntrySerializer,
     JobSerializer,
     RunDetailSerializer,
     RunSerializer,
-    json_type_name,
 )
 from runs.models import Run
 from runs.ops import RetryRefused, run_retry

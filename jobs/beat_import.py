@@ -395,9 +395,9 @@ def _first_error(errors: Any, prefix: str = "") -> str:
 
 
 def our_times(fields: dict[str, Any], now: datetime, count: int) -> list[datetime]:
-    """The job's next times by the one decider (runs.services.job_next_run_time),
+    """The job's next times by the one decider (runs.nextrun.job_next_run_time),
     asked about the job as it would be created at `now`."""
-    from runs.services import job_next_run_time
+    from runs.nextrun import job_next_run_time
 
     job = unsaved_job(fields)
     times: list[datetime] = []

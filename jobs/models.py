@@ -43,7 +43,7 @@ class Job(models.Model):
 
     class Overlap(models.TextChoices):
         # What happens to a time that passes while the job's run is in flight (from its
-        # claim to its outcome): runs.services.job_next_runs. `allow`: runs side by
+        # claim to its outcome): runs.nextrun.job_next_runs. `allow`: runs side by
         # side, the next run made at the claim (runs.services._detach_claimed).
         SKIP = "skip"
         BUFFER_ONE = "buffer_one"
@@ -111,7 +111,7 @@ class Job(models.Model):
     updated_at = models.DateTimeField(auto_now=True)
     deleted_at = models.DateTimeField(null=True, blank=True)
     # When the schedule, zone, one-off time (or every, starts_at, ends_at, exclude) last changed: the timetable goes on from
-    # there, never from before (runs.services.job_next_run_time).
+    # there, never from before (runs.nextrun.job_next_run_time).
     timing_changed_at = models.DateTimeField(null=True, blank=True)
     # Code-owned: the module (`billing.schedules`) whose SCHEDULES define this job;
     # `sync_jobs` writes it, the API and the admin refuse to change it (jobs.code).

@@ -29,7 +29,7 @@ from jobs.models import Job
 from runs import events
 from runs.delivery import iso_z
 from runs.models import Run, RunEvent
-from runs.services import is_held
+from runs.nextrun import is_held
 
 
 class TriggerRefused(ValueError):

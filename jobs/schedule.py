@@ -434,7 +434,7 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 @dataclass(frozen=True)
 class Timetable:
-    """A recurring job's times, as pure data (runs.services.job_next_run_time reads
+    """A recurring job's times, as pure data (runs.nextrun.job_next_run_time reads
     it; jobs.models.Job.timetable builds it).
 
     - `crons`: 5-field expressions in `zone`; the times are the union of theirs,

@@ -17,7 +17,7 @@ from runs import events
 from runs.claims import again_if_moved
 from runs.delivery import iso_z
 from runs.models import JOBS_OPEN_RUN, Run
-from runs.services import (
+from runs.nextrun import (
     EXCLUDED_PREFIX,
     excluded_times_skip,
     is_held,
@@ -200,7 +200,7 @@ def _cancel_excluded_ahead(job: Job, now: datetime) -> None:
 
 def _replace_waiting_run(job: Job, now: datetime) -> None:
     """A changed timing: the waiting run (not yet on its way) makes way for the run
-    the new timing gives, from the edit on (runs.services.job_next_run decides it).
+    the new timing gives, from the edit on (runs.nextrun.job_next_run decides it).
     A run queued, running or retrying stays; its end makes the next run, under the
     new timing (the worker's outcome reads the job again)."""
     waiting = open_run(job, lock=True)
@@ -293,7 +293,7 @@ def job_resume_due(*, job_id: int, now: datetime) -> Job | None:
     again without a time, or deleted meanwhile) or another transaction holds it (the
     next scan looks again). The caller's transaction."""
     from jobs.audit import audit_record
-    from runs.services import SCHEDULER_ACTOR
+    from runs.outcomes import SCHEDULER_ACTOR
 
     job = (
         Job.objects.select_for_update(skip_locked=True)

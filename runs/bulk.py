@@ -27,7 +27,7 @@ def insert_open_runs(rows: list[Run]) -> tuple[list[Run], list[Run]]:
     has a run: runs_one_run_per_time; or its job already has an open run), the
     savepoint is rolled back and each row is inserted alone under a savepoint of
     its own, so the clash costs that row only. A refused row is returned for the
-    caller to place (runs.services.job_next_runs); the rest of the transaction
+    caller to place (runs.nextrun.job_next_runs); the rest of the transaction
     goes on.
     """
     if not rows:

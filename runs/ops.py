@@ -42,7 +42,7 @@ from runs import events
 from runs.claims import again_if_moved
 from runs.delivery import iso_z
 from runs.models import PausedTarget, Run, RunEvent, with_status
-from runs.services import is_held
+from runs.nextrun import is_held
 
 S = Run.Status
 READONLY_GROUP = "ops-readonly"
@@ -260,7 +260,7 @@ def target_pause(
 ) -> HoldResult:
     """Hold every waiting run (scheduled or queued; a queued one goes back to scheduled,
     so its message finds nothing to claim) of every job on HOST; new runs of those jobs
-    are created held (runs.services.is_held). A running call finishes."""
+    are created held (runs.nextrun.is_held). A running call finishes."""
     now = now or timezone.now()
     host = check_host(host)
     exists = PausedTarget.objects.filter(host=host).exists()

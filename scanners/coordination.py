@@ -21,20 +21,13 @@ it may have lost them.
 """
 from __future__ import annotations
 
-import errno
-import fcntl
-import json
 import logging
-import os
 import random
-import socket
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timezone
-from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from django.conf import settings
 from kazoo.client import KazooClient
@@ -45,11 +38,13 @@ from kazoo.recipe.party import Party
 from kazoo.recipe.watchers import ChildrenWatch
 from kazoo.retry import KazooRetry
 
-logger = logging.getLogger("scheduler.scanners.coordination")
+from scanners.leases import (  # noqa: F401 - names callers import from here too
+    NOTHING, CoordinatorUnavailable, PartitionLeases, _Wakeable, all_partitions, check_identifier,
+    default_identifier, owner_record, parse_record, partitions_in, utc_now_iso,
+)
+from scanners.local_leases import LocalLeases, local_owners
 
-NOTHING: frozenset[int] = frozenset()
-LOCK_FILE = "scanner.lock"
-OWNER_FILE = "scanner.owner.json"
+logger = logging.getLogger("scheduler.scanners.coordination")
 
 # How long stop() waits for ZooKeeper work before closing the client anyway.
 # Closing the session releases everything server-side, so waiting longer buys
@@ -60,27 +55,6 @@ CONNECT_WAIT_SECONDS = 15.0
 # kazoo's default retry backs off to an hour between attempts; a scanner that
 # lost ZooKeeper for a few minutes must notice it is back within seconds.
 RETRY_MAX_DELAY_SECONDS = 2.0
-
-
-@runtime_checkable
-class PartitionLeases(Protocol):
-    identifier: str
-
-    def start(self) -> None: ...
-
-    def poll(self) -> frozenset[int]: ...
-
-    def stop(self) -> None: ...
-
-    def describe(self) -> dict[str, Any]: ...
-
-    def wait(self, timeout: float) -> bool: ...
-
-    def wake(self) -> None: ...
-
-
-def default_identifier() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 def make_leases(identifier: str | None = None) -> PartitionLeases:
@@ -100,31 +74,6 @@ def partition_owners() -> dict[str, list[int]]:
     if settings.ZOOKEEPER_HOSTS:
         return zookeeper_owners()
     return local_owners()
-
-
-class CoordinatorUnavailable(RuntimeError):
-    pass
-
-
-def check_identifier(identifier: str) -> str:
-    # The identifier names ZooKeeper nodes (party member, owners entry).
-    if not identifier or "/" in identifier or identifier in (".", ".."):
-        raise ValueError(f"scanner identifier {identifier!r} cannot name a ZooKeeper node")
-    return identifier
-
-
-def all_partitions() -> frozenset[int]:
-    return frozenset(range(settings.SCHEDULER_PARTITIONS))
-
-
-def utc_now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat()
-
-
-def owner_record(identifier: str, owned: frozenset[int], since: str) -> bytes:
-    return json.dumps(
-        {"identifier": identifier, "partitions": sorted(owned), "since": since}
-    ).encode()
 
 
 # --------------------------------------------------------------------------- ZooKeeper
@@ -178,21 +127,6 @@ def _side_by_side(call: Callable[[Any], Any], items: list[Any]) -> list[Any]:
 def fair_share(partitions: int, members: int) -> int:
     """How many partitions one member may hold: ceil(partitions / members)."""
     return -(-partitions // max(1, members))
-
-
-class _Wakeable:
-    """The scanner loop's sleep: until the leases change (`wake`) or the timeout."""
-
-    _wake: threading.Event
-
-    def wait(self, timeout: float) -> bool:
-        """Sleep until something changed (True) or `timeout` passed (False)."""
-        woken = self._wake.wait(max(0.0, timeout))
-        self._wake.clear()
-        return woken
-
-    def wake(self) -> None:
-        self._wake.set()
 
 
 class ZooKeeperLeases(_Wakeable):
@@ -689,143 +623,3 @@ def zookeeper_owners() -> dict[str, list[int]]:
         client.close()
 
 
-def parse_record(data: bytes) -> dict[str, Any]:
-    try:
-        record = json.loads(data or b"{}")
-    except ValueError:
-        return {}
-    return record if isinstance(record, dict) else {}
-
-
-def partitions_in(record: dict[str, Any]) -> list[int]:
-    try:
-        return sorted(int(p) for p in record.get("partitions", []))
-    except (ValueError, TypeError):
-        return []
-
-
-# --------------------------------------------------------------------------- embedded
-
-
-class LocalLeases(_Wakeable):
-    """The embedded single-node coordinator: all partitions, while holding the lock.
-
-    A second embedded scanner on the same machine gets nothing until the
-    first exits (the kernel drops a flock when its holder dies, even by
-    SIGKILL), then takes over on its next poll.
-    """
-
-    kind = "local"
-
-    def __init__(self, identifier: str) -> None:
-        self.identifier = check_identifier(identifier)
-        data_dir = Path(settings.DATA_DIR)
-        self._lock_path = data_dir / LOCK_FILE
-        self._owner_path = data_dir / OWNER_FILE
-        self._partitions = all_partitions()
-        self._fd: int | None = None
-        self._started = False
-        self._wake = threading.Event()
-
-    def start(self) -> None:
-        self._lock_path.parent.mkdir(parents=True, exist_ok=True)
-        self._started = True
-
-    def poll(self) -> frozenset[int]:
-        if not self._started:
-            return NOTHING
-        if self._fd is not None and not self._lock_file_is_ours():
-            self._drop()
-        if self._fd is None:
-            self._try_lock()
-        return self._partitions if self._fd is not None else NOTHING
-
-    def stop(self) -> None:
-        self._started = False
-        if self._fd is not None:
-            # Remove the owner record while still holding the lock, so no
-            # other holder's record can be removed by mistake.
-            try:
-                self._owner_path.unlink()
-            except FileNotFoundError:
-                pass
-            self._drop()
-
-    def describe(self) -> dict[str, Any]:
-        state = "stopped" if not self._started else ("acquired" if self._fd is not None else "waiting")
-        return {
-            "identifier": self.identifier,
-            "kind": self.kind,
-            "state": state,
-            "owned": sorted(self._partitions) if self._fd is not None else [],
-        }
-
-    def _try_lock(self) -> None:
-        # A fresh open each try: flock belongs to the open file description,
-        # and a lock file someone deleted must not stay locked by us alone.
-        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise
-            return
-        self._fd = fd
-        if not self._lock_file_is_ours():  # deleted between our open and flock
-            self._drop()
-            return
-        self._write_owner()
-        logger.info("scanner %s holds %s: owns all %d partitions",
-                    self.identifier, self._lock_path, len(self._partitions))
-
-    def _lock_file_is_ours(self) -> bool:
-        # If the file was deleted or replaced, a newcomer would lock a
-        # different inode and both would scan: give ours up and retry.
-        assert self._fd is not None
-        try:
-            on_disk = os.stat(self._lock_path)
-        except FileNotFoundError:
-            return False
-        held = os.fstat(self._fd)
-        return (on_disk.st_dev, on_disk.st_ino) == (held.st_dev, held.st_ino)
-
-    def _write_owner(self) -> None:
-        # Written to a temporary file and renamed, so a reader never sees half.
-        tmp = self._owner_path.with_name(f".{OWNER_FILE}.{os.getpid()}.{id(self)}")
-        tmp.write_bytes(owner_record(self.identifier, self._partitions, utc_now_iso()))
-        os.replace(tmp, self._owner_path)
-
-    def _drop(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing the descriptor releases the flock
-            self._fd = None
-            logger.info("scanner %s released %s", self.identifier, self._lock_path)
-
-
-def local_owners() -> dict[str, list[int]]:
-    data_dir = Path(settings.DATA_DIR)
-    try:
-        fd = os.open(data_dir / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return {}
-    try:
-        try:
-            # Getting a shared lock means nobody holds the exclusive one, so a
-            # leftover owner file (from a killed holder) means nothing. This
-            # can make a waiting scanner's try fail once; it retries next poll.
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise
-        else:
-            return {}
-        try:
-            record = parse_record((data_dir / OWNER_FILE).read_bytes())
-        except FileNotFoundError:
-            record = {}
-        if not record.get("identifier"):
-            return {}  # the holder has not written its record yet
-        return {str(record["identifier"]): partitions_in(record)}
-    finally:
-        os.close(fd)

@@ -171,7 +171,7 @@ def test_the_wal_steps_probe_takes_runs_to_succeeded_and_finds_no_row_lock_in_th
     # The scanner's FOR UPDATE SKIP LOCKED: one lock a run, the one it means to take.
     assert 0.9 <= found["steps"]["queue"]["row_locks_per_run"]["runs_open"] <= 1.2
     assert found["steps"]["execute"]["row_locks_per_run"].get("runs_open", 0) < 1.0
-    # The outcome's lock of each job (runs.services.jobs_lock), which it does mean.
+    # The outcome's lock of each job (runs.nextrun.jobs_lock), which it does mean.
     assert abs(found["steps"]["execute"]["row_locks_per_run"]["jobs"] - 1.0) < 0.05
     # The queueing is a HOT update (migration runs 0017): no index entry of runs_open.
     # Before it, one in each of runs_open's five indexes a run.

@@ -118,7 +118,7 @@ FORWARD = [
         WHERE NOT detached AND NOT is_backfill AND {OPEN_STAGES}""",
     *SAME_BOTH_WAYS,
     # No two runs of a job at one time, open and ended together (the docstring). The
-    # job's row lock (FOR NO KEY UPDATE, as runs.services.jobs_lock takes it, in id
+    # job's row lock (FOR NO KEY UPDATE, as runs.nextrun.jobs_lock takes it, in id
     # order; a no-op where the writer holds it already, as every writer of runs does)
     # makes two writers of one job take turns; each statement of a plpgsql function
     # reads a fresh snapshot, so the second sees the first's committed row. A row lock

@@ -35,7 +35,7 @@ from jobs import beat_import
 from jobs.models import Job
 from jobs.services import service_tasks_grant
 from runs.models import Run
-from runs.services import job_next_run_time
+from runs.nextrun import job_next_run_time
 
 UTC = dt_timezone.utc
 NOW = datetime(2026, 3, 1, 0, 0, 0, tzinfo=UTC)

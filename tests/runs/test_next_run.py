@@ -1,4 +1,4 @@
-"""A job's next run, decided in one place (runs.services.job_next_run) from the job as
+"""A job's next run, decided in one place (runs.nextrun.job_next_run) from the job as
 it is inside the writing transaction: after edits, pauses and deletes that land while
 a run is in flight, and when the next time already has a run (issue 12, defects 1, 2,
 3 and 5). Real PostgreSQL, a real loopback target, the worker's own path
@@ -503,7 +503,7 @@ def test_which_one_offs_had_their_run_is_one_read_by_jobs_and_times_not_an_or_pe
     from django.db import connection as conn
     from django.test.utils import CaptureQueriesContext
 
-    from runs.services import _one_offs_done
+    from runs.nextrun import _one_offs_done
     from tests.factories import make_job, make_run
 
     at = timezone.now().replace(microsecond=0) + timedelta(days=1)

@@ -289,10 +289,10 @@ def test_past_the_overlap_cap_the_times_not_looked_at_are_the_misfire_policys(
     row and no count (the stateful test found it, a run in flight for a month of an
     every-two-minutes job). Now the next run is the first time past the cap, already
     passed, and the scanner's misfire policy writes or counts the rest."""
-    from runs import services as run_services
+    from runs import nextrun
     from scanners.scan import scan_once
 
-    monkeypatch.setattr(run_services, "MAX_OVERLAP_TIMES", 5)
+    monkeypatch.setattr(nextrun, "MAX_OVERLAP_TIMES", 5)
     job = make(service.user, target.url("/long"), overlap=policy)
     run = first_run_due(clock, job)
     assert run_held_call(target, clock, run, lasts=600) == "succeeded"  # 20:40:00: ten times passed

@@ -277,7 +277,7 @@ def test_a_jobs_latest_counted_time_reads_one_row_a_partition_not_all_its_runs()
     from bench.load import defaults_sql
     from jobs.admin import _last_outcome
     from jobs.models import Job
-    from runs.services import _latest_counted
+    from runs.nextrun import _latest_counted
 
     job = make_job()
     days = [partitions.span_at(utc(f"2026-11-0{d}T00:00:00Z")) for d in (1, 2, 3)]

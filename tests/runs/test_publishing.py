@@ -171,8 +171,8 @@ def test_pause_target_celery_queue_holds_a_task_jobs_runs_and_resume_releases_th
     assert Run.objects.get(job=job).held is True
     assert Run.objects.get(job=other).held is False
     assert not Run.objects.filter(job=url_job, held=True).exists()
-    # A run made while the queue is paused is made held too (runs.services.is_held).
-    from runs.services import is_held
+    # A run made while the queue is paused is made held too (runs.nextrun.is_held).
+    from runs.nextrun import is_held
 
     assert is_held(Job.objects.get(pk=job.pk)) and not is_held(Job.objects.get(pk=other.pk))
     released = ops.target_resume(host=f"celery:{queue}")

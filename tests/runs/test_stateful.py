@@ -84,12 +84,13 @@ from jobs.services import (
     backfill_plan,
     service_account_ensure,
 )
-from runs import claims
+from runs import claims, nextrun
 from runs import ops as run_ops
 from runs import services as run_services
 from runs.models import JOBS_OPEN_RUN, Run, RunEvent, kept_for_of
 from runs.timeline import timelines
-from runs.services import Call, lease_length, run_claim_many, run_execute_many, run_record_outcomes
+from runs.outcomes import Call, run_record_outcomes
+from runs.services import lease_length, run_claim_many, run_execute_many
 from scanners.scan import scan_once
 from tests.factories import utc
 from tests.target import LoopbackTarget
@@ -1312,7 +1313,7 @@ def test_the_model_finds_the_excluded_times_a_long_call_spans_skipped_as_exclude
         ("edit_exclude", {"job": 1, "exclude": ("2026-10-29",)}),
         ("worker_batch", {"answer": "ok"}),  # the clock to 10-29 00:00: the call's lease ran out, claimed again
     ])
-    assert Run.objects.filter(job_id=1, last_error__startswith=run_services.EXCLUDED_PREFIX).exists()
+    assert Run.objects.filter(job_id=1, last_error__startswith=nextrun.EXCLUDED_PREFIX).exists()
 
 
 @pytest.mark.django_db(transaction=True)

@@ -88,7 +88,7 @@ def test_a_late_run_follows_its_jobs_misfire_policy(service: Any, policy: str, e
 
 
 def test_run_all_runs_each_missed_time_in_turn(service: Any) -> None:
-    from runs.services import run_next_create
+    from runs.nextrun import run_next_create
 
     job = per_minute(service.user, misfire="run_all")
     back = utc("2026-10-28T20:32:30Z")

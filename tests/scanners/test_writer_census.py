@@ -38,7 +38,7 @@ from django.utils import timezone
 from jobs.models import Job
 from jobs.ops import job_trigger
 from jobs.services import job_backfill, job_create, job_pause, job_resume, job_update
-from runs import claims, ops, services
+from runs import claims, nextrun, ops, outcomes, services
 from runs.delivery import CallResult
 from runs.models import Run
 from scanners.management.commands import scanner as scanner_command
@@ -133,7 +133,7 @@ def claimed(run: Run, s: Scanner) -> tuple[Run, claims.Claim]:
 
 def outcome(run: Run, claim: claims.Claim, result: CallResult) -> None:
     """The worker's outcome write for one ended call (runs.services)."""
-    assert services.run_record_outcomes([services.Call(run=run, claim=claim, result=result)])
+    assert outcomes.run_record_outcomes([outcomes.Call(run=run, claim=claim, result=result)])
 
 
 def path_next_run(s: Scanner) -> int:
@@ -199,7 +199,7 @@ def path_reopen(s: Scanner) -> int:
     cancelled = make_run(job, when, status=S.CANCELLED, finished_at=timezone.now(), is_backfill=True)
     Run.objects.filter(pk=run.pk).update(status=S.CANCELLED, finished_at=timezone.now())
     s.raise_floor(job.partition)
-    return services.run_reopen(run=Run.objects.get(pk=cancelled.pk), job=job, now=timezone.now(), held=False).pk
+    return nextrun.run_reopen(run=Run.objects.get(pk=cancelled.pk), job=job, now=timezone.now(), held=False).pk
 
 
 def path_resume(s: Scanner) -> int:
@@ -384,13 +384,13 @@ WRITERS: dict[str, str] = {
     "runs/ops.py:_requeue_locked": "requeue of a dead run",
     "runs/ops.py:target_pause": NOT_WAITING_HELD,
     "runs/ops.py:target_resume": "release of a paused target",
-    "runs/services.py:run_create": "backfill",
-    "runs/services.py:excluded_times_skip": NOT_WAITING_SKIPPED,
-    "runs/services.py:_open_row": "next run",
+    "runs/nextrun.py:run_create": "backfill",
+    "runs/nextrun.py:excluded_times_skip": NOT_WAITING_SKIPPED,
+    "runs/nextrun.py:_open_row": "next run",
     "runs/bulk.py:<module>": "next run",  # COPY_RUNS_SQL: the next runs' inserts
-    "runs/services.py:_skip_overlapped": NOT_WAITING_SKIPPED,
-    "runs/services.py:run_reopen": "reopen",
-    "runs/services.py:_decide": "retry outcome",
+    "runs/nextrun.py:_skip_overlapped": NOT_WAITING_SKIPPED,
+    "runs/nextrun.py:run_reopen": "reopen",
+    "runs/outcomes.py:_decide": "retry outcome",
     "scanners/scan.py:_stop_runs_of_stopped_jobs": NOT_WAITING_HELD,
     "scanners/scan.py:_skip_times": NOT_WAITING_SKIPPED,
 }
