@@ -763,11 +763,13 @@ def lock_due(*, partitions: list[int], now: datetime, limit: int,
 
 def lock_listed(*, ids: list[int], now: datetime, limit: int) -> "QuerySet[Run]":
     """lock_due for runs read beforehand (scanners.shares.read_due_skipping): those of
-    `ids` still due, scheduled and not held, locked; one that another transaction
-    holds is left out."""
+    `ids` still due, scheduled and not held, locked; one another transaction holds is not."""
     assert connection.in_atomic_block, "the due read runs inside the scan's transaction"
     due = Run.objects.filter(with_status(S.SCHEDULED), held=False, due_at__lte=now)
-    due = due.filter(RawSQL('"runs"."id" = ANY(%s::bigint[])', (list(ids),), output_field=BooleanField()))
+    if connection.vendor == "postgresql":  # one array, as lock_due's
+        due = due.filter(RawSQL('"runs"."id" = ANY(%s::bigint[])', (list(ids),), output_field=BooleanField()))
+    else:
+        due = due.filter(pk__in=ids)
     return _locked(due, limit)
 
 
