@@ -161,6 +161,11 @@ if EMBEDDED:
                 "transaction_mode": "IMMEDIATE",
                 "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
             },
+            # The embedded tests' database is a file beside it, as the one they stand
+            # for: Django's default in-memory one shares a cache between connections,
+            # where a read while another thread writes is refused at once ("database
+            # table is locked") instead of waiting as the file's readers and writers do.
+            "TEST": {"NAME": str(DATA_DIR / "test_scheduler.sqlite3")},
         }
     }
     SECRET_KEY = env_str("SECRET_KEY") or embedded_secret_key()
