@@ -73,6 +73,7 @@ from hypothesis.stateful import (
 from jobs import schedule
 from jobs.models import AuditEntry, Job
 from jobs.ops import TriggerRefused, job_trigger
+from jobs.public_ids import format_id
 from jobs.services import (
     BackfillError,
     job_backfill,
@@ -929,10 +930,18 @@ def _capped_gaps(rows: list[Run], timeline: dict[int, list[RunEvent]]) -> list[t
             if (e.type == "skipped" and e.detail.get("reason") == "overlap"
                     and e.detail.get("passed_in_flight", 0) > cap):
                 first_of_flight.setdefault(e.detail.get("in_flight", ""), run)
-    for first in first_of_flight.values():
+    by_id = {format_id("run", r.pk): r for r in ordered}
+    for in_flight, first in first_of_flight.items():
+        # From the job's row before them, or from the run that flew if that is earlier
+        # or the only one (an extra run, a requeued dead one, flying past the cap: the
+        # long profile's second find).
         i = lived.index(first)
-        if i > 0:
-            gaps.append((lived[i - 1].scheduled_for, first.scheduled_for))
+        starts = [lived[i - 1].scheduled_for] if i > 0 else []
+        flew = by_id.get(in_flight)
+        if flew is not None and flew.scheduled_for < first.scheduled_for:
+            starts.append(flew.scheduled_for)
+        if starts:
+            gaps.append((min(starts), first.scheduled_for))
     return gaps + [
         (run.scheduled_for, lived[i + 1].scheduled_for)
         for i, run in enumerate(lived[:-1])
@@ -1378,6 +1387,30 @@ def test_a_retried_dead_run_leaves_the_pause_after_failures_row(target: ChosenAn
         ("retry_dead", {"newest": False}),
         ("advance_clock", {"seconds": 3600}),
         ("retry_dead", {"newest": False}),
+    ])
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(SCHEDULER_BREAKER_FAILURES=10**6, SCHEDULER_MISFIRE_GRACE=60, SCHEDULER_LEASE_SECONDS=60)
+def test_the_model_counts_the_times_a_requeued_dead_run_flew_past_without_rows(target: ChosenAnswerTarget) -> None:
+    """The long profile's second find (5,000 examples): a dead run requeued (an extra
+    run, `is_backfill`) flew in a mixed batch for a month of its every-two-minutes job;
+    the store wrote rows for the latest 1,000 times and counted all on their events. The
+    model looked for the counted span's start among the job's own runs only, found none
+    before it (the extra run was the only row), and took the earlier times for lost."""
+    owner, _ = service_account_ensure(name="stateful", email="stateful@example.test")
+    replay(owner, target, [
+        ("first_job", {"kind": "cron", "overlap": "skip", "cron": "*/5 * * * *", "misfire": "skip", "window": 0,
+                       "exclude": (), "zone": "UTC", "later": 5296, "failures": 0, "retries": 1}),
+        ("pause_until", {"job": 1, "minutes": 1}),
+        ("pause_until", {"job": 1, "minutes": 1}),
+        ("pause_until", {"job": 1, "minutes": 1}),
+        ("retry_dead_again", {}),
+        ("mixed_batch", {"slow": 61}),
+        ("create_job", {"cron": "0 0 1 1 *", "exclude": (), "failures": 0, "kind": "cron", "later": 922,
+                        "misfire": "skip", "overlap": "skip", "retries": 1, "window": 0, "zone": "UTC"}),
+        ("claim", {"many": True}),
+        ("retry_dead_again", {}),
     ])
 
 
