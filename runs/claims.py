@@ -739,17 +739,18 @@ def floor_params(partitions: list[int], after: "dict[int, tuple[datetime, int]] 
     return _key_arrays(partitions, after, NO_FLOOR)
 
 
+def waiting_due(now: datetime) -> "QuerySet[Run]":  # what a due read takes
+    return Run.objects.filter(with_status(S.SCHEDULED), held=False, due_at__lte=now)
+
+
 def lock_due(*, partitions: list[int], now: datetime, limit: int,
              after: "dict[int, tuple[datetime, int]] | None" = None) -> "QuerySet[Run]":
-    """The scanner's question: due, still scheduled, not held, in my partitions,
-    oldest first, at most `limit`; in each partition, after `after`'s (due time, id)
-    (PostgreSQL; the embedded SQLite file reads from the start).
-
-    Rows are locked so that a second scanner (a frozen one that still believes it
-    owns them) skips them.
-    """
+    """The scanner's question: waiting_due in my partitions, oldest first, at most
+    `limit`; in each partition after `after`'s (due time, id) (PostgreSQL; SQLite reads
+    from the start). Locked: a second scanner (a frozen one that still believes it owns
+    them) skips them."""
     assert connection.in_atomic_block, "the due read runs inside the scan's transaction"
-    due = Run.objects.filter(with_status(S.SCHEDULED), held=False, due_at__lte=now)
+    due = waiting_due(now)
     if connection.vendor == "postgresql":
         # `= ANY(ARRAY(...))`, not `IN (...)`: the ids come as one array, looked up
         # by primary key, which the planner never turns into a scan of the table.
@@ -765,7 +766,7 @@ def lock_listed(*, ids: list[int], now: datetime, limit: int) -> "QuerySet[Run]"
     """lock_due for runs read beforehand (scanners.shares.read_due_skipping): those of
     `ids` still due, scheduled and not held, locked; one another transaction holds is not."""
     assert connection.in_atomic_block, "the due read runs inside the scan's transaction"
-    due = Run.objects.filter(with_status(S.SCHEDULED), held=False, due_at__lte=now)
+    due = waiting_due(now)
     if connection.vendor == "postgresql":  # one array, as lock_due's
         due = due.filter(RawSQL('"runs"."id" = ANY(%s::bigint[])', (list(ids),), output_field=BooleanField()))
     else:
@@ -774,8 +775,7 @@ def lock_listed(*, ids: list[int], now: datetime, limit: int) -> "QuerySet[Run]"
 
 
 def _locked(due: "QuerySet[Run]", limit: int) -> "QuerySet[Run]":
-    # `locked_at`: the store's clock of this statement, which a live scan stamps its
-    # batch no earlier than (scanners.scan.scan_once).
+    # `locked_at`: this statement's store clock; a live scan stamps its batch no earlier.
     return due.order_by("due_at", "id").select_for_update(skip_locked=True, of=("self",)).annotate(
         locked_at=StoreClock())[:limit]
 

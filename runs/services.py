@@ -685,14 +685,11 @@ class _InTurn:
                 if not self.todo:
                     return
                 flight = self.todo.popleft()
-            call = flight.item[0]
-            flight.calling_since = time.monotonic()  # the service share counts from here
             try:
-                call.result = _call_one(call)
+                result = _calling(flight)
             except BaseException:  # noqa: BLE001 - _call_one returns failures; anything else is one too
-                call.result = CallResult(error=delivery.REQUEST_FAILED)
-            _note_duration(flight.item[1].host, call.result)
-            process_flights().ended(flight)
+                result = CallResult(error=delivery.REQUEST_FAILED)
+            _call_done(flight, result)
             with self.cond:
                 self.ended += 1
                 self.cond.notify_all()
@@ -711,12 +708,17 @@ def _calling(flight: flights.Flight) -> CallResult:
 
 def _call_ended(flight: flights.Flight, future: Future[CallResult]) -> None:
     """A call on the pool has ended (on the pool's thread): on to its outcome."""
-    call = flight.item[0]
     try:
-        call.result = future.result()
+        result = future.result()
     except BaseException:  # noqa: BLE001 - _call_one returns failures; anything else is one too
-        call.result = CallResult(error=delivery.REQUEST_FAILED)
-    _note_duration(flight.item[1].host, call.result)
+        result = CallResult(error=delivery.REQUEST_FAILED)
+    _call_done(flight, result)
+
+
+def _call_done(flight: flights.Flight, result: CallResult) -> None:
+    """A call's result kept, its host's pace noted, and its flight on to its outcome."""
+    flight.item[0].result = result
+    _note_duration(flight.item[1].host, result)
     process_flights().ended(flight)
 
 

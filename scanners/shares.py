@@ -64,7 +64,7 @@ def read_due_skipping(*, partitions: list[int], now: datetime, limit: int,
             cursor.execute(DUE_KEYS_SKIPPING_SQL,
                            (*claims.floor_params(list(partitions), after), now, list(skip_owners), limit, limit))
             return [(part, due_at, pk) for pk, due_at, part in cursor.fetchall()]
-    rows = (Run.objects.filter(with_status(Run.Status.SCHEDULED), held=False, due_at__lte=now, partition__in=partitions)
+    rows = (claims.waiting_due(now).filter(partition__in=partitions)
             .exclude(job__owner_id__in=skip_owners).order_by("due_at", "id")
             .values_list("partition", "due_at", "id")[:limit])
     return list(rows)

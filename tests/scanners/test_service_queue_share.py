@@ -177,6 +177,8 @@ def test_a_stepping_read_leaves_the_share_floor_below_a_run_it_could_not_lock() 
         pytest.skip("PostgreSQL's due read and row locks")
     import psycopg
 
+    from scanners.wakeups import own_connection_params
+
     alpha, _ = service_account_ensure(name="alpha")
     beta, _ = service_account_ensure(name="beta")
     now = claims.store_now()
@@ -193,8 +195,7 @@ def test_a_stepping_read_leaves_the_share_floor_below_a_run_it_could_not_lock() 
 
     with override_settings(SCHEDULER_SERVICE_QUEUED=1, SCHEDULER_MAX_QUEUED=100, SCHEDULER_SCAN_BATCH=1,
                            SCHEDULER_LOOKAHEAD=1.0):
-        params = connection.get_connection_params()
-        params = {k: v for k, v in params.items() if k not in ("cursor_factory", "context", "prepare_threshold")}
+        params = own_connection_params(connection.get_connection_params(), "share-test", "lock")
         with psycopg.connect(**params) as other:
             other.execute("SELECT 1 FROM runs WHERE id = %s FOR UPDATE", (held.pk,))
             assert len(scan()) == 1  # alpha's first: one a batch, then alpha holds its share
