@@ -53,6 +53,7 @@ DUE_KEYS_SKIPPING_SQL = claims.DUE_IDS_SQL.replace("SELECT d.id\n", "SELECT d.id
     .format(open=OPEN_KEPT_FOR_SQL))
 assert DUE_KEYS_SKIPPING_SQL.count("NOT EXISTS") == 1 and DUE_KEYS_SKIPPING_SQL.count("d.partition") == 1
 
+
 def read_due_skipping(*, partitions: list[int], now: datetime, limit: int,
                       after: "dict[int, tuple[datetime, int]] | None", skip_owners: list[int]
                       ) -> list[tuple[int, datetime, int]]:
@@ -68,7 +69,6 @@ def read_due_skipping(*, partitions: list[int], now: datetime, limit: int,
             .exclude(job__owner_id__in=skip_owners).order_by("due_at", "id")
             .values_list("partition", "due_at", "id")[:limit])
     return list(rows)
-
 
 
 def count_queued_by_owner(*, partitions: list[int], up_to: datetime | None = None) -> dict[int, int]:
@@ -101,8 +101,7 @@ def several_services() -> bool:
     """Whether jobs of more than one service are in the store (two index probes of
     jobs_owner_idx, asked again every SERVICES_KNOWN_FOR seconds). A service alone has
     no neighbour to give way to: its scans neither count by service nor step over its
-    runs, which cost the store a walk of its whole backlog at each floor drop, about
-    a third of the top rate (docs/performance.md)."""
+    runs (a count a scan, and a walk over its backlog after each share-floor drop)."""
     now = time.monotonic()
     if _services.asked_at is None or now - _services.asked_at >= SERVICES_KNOWN_FOR:
         span = Job.objects.aggregate(lo=Min("owner_id"), hi=Max("owner_id"))
