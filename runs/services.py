@@ -654,10 +654,9 @@ def _start_calls(flying: list[flights.Flight]) -> None:
 
 
 class _InTurn:
-    """Calls made one after another on one thread of the call pool: a thread handed
-    each call in turn cost two wake-ups a call, a quarter of the worker's CPU at the
-    highest rate (docs/performance.md). `call` watches them from the batch's thread and
-    returns those it took back, not made yet, to go side by side."""
+    """Calls made one after another on one thread of the call pool, not each handed to
+    a thread and waited for (two thread wake-ups a call). `call` watches them from the
+    batch's thread and returns those it took back, not made yet, to go side by side."""
 
     def __init__(self, todo: list[flights.Flight]) -> None:
         self.todo = deque(todo)
