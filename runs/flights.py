@@ -139,7 +139,8 @@ class Flights:
         with landed.cond:
             if landed.inline:
                 landed.ended.append(flight)
-                landed.cond.notify_all()
+                if _worth_waking(len(landed.ended), landed.left):
+                    landed.cond.notify_all()
                 return
         self._to_writer([flight])
 
@@ -151,7 +152,8 @@ class Flights:
             if self._writer is None:
                 self._writer = threading.Thread(target=self._write_loop, name="flights-writer", daemon=True)
                 self._writer.start()
-            self._cond.notify_all()
+            if _worth_waking(len(self._ended), len(self._flying), added=len(flights)):
+                self._cond.notify_all()
 
     def land_ready(self, landed: Landed) -> None:
         """Inline: write the outcomes of the calls that have ended so far, without waiting."""
@@ -341,12 +343,22 @@ class Flights:
         return True
 
 
+def _worth_waking(ended: int, flying: int, added: int = 1) -> bool:
+    """Whether a call's end wakes the thread that lands (its batch's, or the writer):
+    when it is the first to wait (the lander may be asleep for good), when a group is
+    full, or when nothing else is in flight. Not at every end: the lander lingers in
+    steps of LINGER_QUIET (_linger), and each wake-up takes the GIL from the threads
+    making the calls."""
+    return ended <= added or ended >= LAND_AT_MOST or ended >= flying
+
+
 def _linger(cond: threading.Condition, ended: deque[Flight], flying: int) -> None:
     """Under `cond`, with at least one flight ended: wait a moment for the calls ending
     close together, so that they land in one transaction (a batch's calls to a quick
     host end within milliseconds of each other): until none has ended for LINGER_QUIET,
     at most LINGER_MOST after the first, and not at all when nothing else is in flight
-    (`flying`: those not landed, the ended included) or a group is full."""
+    (`flying`: those not landed, the ended included) or a group is full. It is not
+    woken at each end (_worth_waking): it looks every LINGER_QUIET."""
     started = time.monotonic()
     seen = len(ended)
     while seen < LAND_AT_MOST and seen < flying:

@@ -625,16 +625,16 @@ def _detach(todo: list[tuple[Run, Claim]], jobs: dict[int, Job], now: datetime) 
 _recent_ms: dict[str, float] = {}
 QUICK_MS = 20.0  # a host this quick is called in turn: hundreds of calls side by side cost more than they save
 IN_TURN_FOR = 0.1  # seconds: the longest a batch calls in turn before the rest go side by side
-IN_TURN_WAIT = 0.05  # seconds the batch waits for one call in turn; a slower one goes on without it
+IN_TURN_WAIT = 0.05  # seconds between the batch's looks at its calls in turn: none ended, the rest go side by side
 
 
 def _start_calls(flying: list[flights.Flight]) -> None:
     """The calls of a wave, each on the worker process's call pool and handed on
     (runs.flights) as soon as it has ended; a call refused, or failed before it was
     made, has ended already. To a host that has been answering within QUICK_MS the
-    calls go one after another, on one pool thread (_InTurn), the batch watching: when
-    one has not ended within IN_TURN_WAIT, or IN_TURN_FOR has passed, the ones not yet
-    made go side by side. So the batch's thread never waits long on a target, however
+    calls go one after another, on one pool thread (_InTurn), the batch looking every
+    IN_TURN_WAIT: when no call has ended meanwhile, or IN_TURN_FOR has passed, the ones
+    not yet made go side by side. So the batch's thread never waits long on a target, however
     slow (one quick answer says nothing of the next endpoint), and no outcome waits for
     a call made after it."""
     pool = process_flights()
@@ -670,9 +670,11 @@ class _InTurn:
             seen = self.ended
             while self.todo:
                 left = stop - time.monotonic()
-                if left <= 0 or not self.cond.wait_for(lambda: self.ended > seen or not self.todo,
-                                                       timeout=min(IN_TURN_WAIT, left)):
-                    break  # slow after all, or long enough: what is not made yet goes side by side
+                if left <= 0:
+                    break  # long enough: what is not made yet goes side by side
+                self.cond.wait(min(IN_TURN_WAIT, left))  # woken early only once every call is taken
+                if self.todo and self.ended == seen:
+                    break  # no call ended meanwhile: slow after all
                 seen = self.ended
             taken = list(self.todo)
             self.todo.clear()
@@ -684,6 +686,8 @@ class _InTurn:
                 if not self.todo:
                     return
                 flight = self.todo.popleft()
+                if not self.todo:
+                    self.cond.notify_all()  # the batch's thread goes on to land them
             try:
                 result = _calling(flight)
             except BaseException:  # noqa: BLE001 - _call_one returns failures; anything else is one too
@@ -691,7 +695,6 @@ class _InTurn:
             _call_done(flight, result)
             with self.cond:
                 self.ended += 1
-                self.cond.notify_all()
 
 
 def _submit(flight: flights.Flight) -> Future[CallResult]:
