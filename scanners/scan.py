@@ -589,6 +589,11 @@ def _misfire(run: Run, now: datetime, result: ScanResult) -> bool:
         result.skipped += 1
     events.record_many(found, runs={run.pk: run})
     _skip_times(job, decision.skipped_times, now, result)
+    if decision.run_late and not decision.skipped_times and job.misfire == Job.Misfire.RUN_ALL:
+        # Every missed time runs in turn: an excluded one gets its row when the runs
+        # reach it (runs.nextrun). Written now, those rows were the job's latest, and
+        # its next run came after them, past every time between (each one lost).
+        excluded = []
     _skip_times(job, excluded, now, result, excluded=True)
     if not decision.run_late:
         # The one next-run decision, after the skipped rows are written: the first
@@ -618,10 +623,19 @@ def _skip_times(job: Job, times: list[datetime], now: datetime, result: ScanResu
     `excluded`, the times on the job's excluded dates, with reason `excluded`."""
     if not times:
         return
-    taken = set(Run.objects.filter(job=job, scheduled_for__in=times).values_list("scheduled_for", flat=True))
+    taken = {r.scheduled_for: r for r in Run.objects.filter(job=job, scheduled_for__in=times)}
     why = f"{EXCLUDED_PREFIX} the date is one of the job's excluded dates" if excluded else (
         f"missed while nothing could start it (misfire policy {job.misfire})"
     )
+    # An edit's cancelled row at a missed time is this time's row again, as the
+    # excluded rows' (runs.nextrun): left cancelled, the job's next run came after the
+    # skipped rows, at that very time, already missed, and reopened it as waiting.
+    again = [r for r in taken.values() if r.status == S.CANCELLED and not r.is_backfill]
+    if again:
+        Run.objects.filter(pk__in=[r.pk for r in again], status=S.CANCELLED).update(
+            status=S.SKIPPED, finished_at=now, last_error=why)
+        for r in again:
+            r.status, r.finished_at, r.last_error = S.SKIPPED, now, why
     reason = "excluded" if excluded else f"misfire policy {job.misfire}"
     rows = [
         Run(
@@ -636,9 +650,10 @@ def _skip_times(job: Job, times: list[datetime], now: datetime, result: ScanResu
         for t in times
         if t not in taken
     ]
-    created = Run.objects.bulk_create(rows)
+    created = Run.objects.bulk_create(rows) if rows else []
     if created and created[0].pk is None:  # backends without RETURNING on bulk insert
         created = list(Run.objects.filter(job=job, scheduled_for__in=[r.scheduled_for for r in rows]))
+    created += again
     events.record_many(
         (events.of(r, "skipped", now, reason=reason) for r in created),
         runs={r.pk: r for r in created},

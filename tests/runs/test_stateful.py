@@ -1441,3 +1441,46 @@ def test_the_model_counts_the_times_of_a_month_long_flight_without_rows(target: 
         ("claim", {"many": False}),
         ("mixed_batch", {"slow": 150}),
     ])
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(SCHEDULER_BREAKER_FAILURES=10**6, SCHEDULER_MISFIRE_GRACE=60, SCHEDULER_LEASE_SECONDS=60)
+def test_a_scan_an_hour_after_an_edit_leaves_no_due_run_behind(target: ChosenAnswerTarget) -> None:
+    """The long profile's find on 9c1c1d5: */5 edited to hourly (21:00 runs, 22:00 waits),
+    then to */2 (22:00 cancelled, 21:02 waits); at 22:01:01 misfire `skip` skipped
+    21:02 to 21:58 and left the missed 22:00 as its cancelled row, so the job's next
+    run, the first time after the skipped rows, was 22:00: the cancelled row reopened,
+    waiting, already missed, and no scan ever took it (the misfire path had run)."""
+    owner, _ = service_account_ensure(name="stateful", email="stateful@example.test")
+    replay(owner, target, [
+        ("first_job", {"kind": "cron", "cron": "*/5 * * * *", "exclude": (), "zone": "UTC", "misfire": "skip",
+                       "window": 0, "later": 1, "overlap": "skip", "failures": 0, "retries": 1}),
+        ("edit_target", {"job": 1, "other": False}),
+        ("edit_timing", {"cron": "0 * * * *", "job": 1, "kind": "cron", "later": 1, "zone": None}),
+        ("worker_batch", {"answer": "ok", "mixed": False}),
+        ("edit_timing", {"cron": "*/2 * * * *", "job": 1, "kind": "cron", "later": 1, "zone": None}),
+        ("advance_clock", {"seconds": 3600}),
+        ("lease_expiry", {}),
+    ])
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(SCHEDULER_BREAKER_FAILURES=10**6, SCHEDULER_MISFIRE_GRACE=60, SCHEDULER_LEASE_SECONDS=60)
+def test_run_all_after_a_pause_runs_the_times_before_an_excluded_day(target: ChosenAnswerTarget) -> None:
+    """The CI profile's find (it fails on 9c1c1d5 as well): a run_all job excluding
+    29 October, paused from 20:29:30 until 20:30:30, resumed by a scan at 30 October
+    00:00 (the clock went on to another job's run). The late 20:30 ran, and the misfire
+    path wrote the excluded day's 288 `skipped` rows at once: the job's latest rows, so
+    when 20:30 ended its next run was 30 October 00:05, and 20:35 to 23:55 on the 28th,
+    each to run in turn, were lost."""
+    owner, _ = service_account_ensure(name="stateful", email="stateful@example.test")
+    replay(owner, target, [
+        ("first_job", {"kind": "cron", "cron": "*/5 * * * *", "exclude": (), "zone": "UTC", "misfire": "skip",
+                       "window": 0, "later": 1, "overlap": "skip", "failures": 0, "retries": 1}),
+        ("edit_lifecycle", {"failures": 0, "job": 1, "overlap": "skip"}),
+        ("create_job", {"cron": "*/5 * * * *", "exclude": ("2026-10-29",), "failures": 0, "kind": "cron", "later": 1,
+                        "misfire": "run_all", "overlap": "skip", "retries": 1, "window": 0, "zone": "UTC"}),
+        ("edit_exclude", {"exclude": ("2026-10-28", "2026-10-29"), "job": 1}),
+        ("pause_until", {"job": 2, "minutes": 1}),
+        ("retry_dead_again", {}),
+    ])
