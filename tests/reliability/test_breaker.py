@@ -51,7 +51,11 @@ def breaker(url: str) -> TargetBreaker:
     return TargetBreaker.objects.get(host=target_host(url))
 
 
-@QUICK
+# The cooldown (jittered) outlasts a failed run's retry delay (1 to 2 s): the requeued
+# failing run comes due while the breaker is still open. With a 1 s cooldown the two
+# raced, and the run was at times the probe (once the test target's answers stopped
+# taking 40 ms each, the breaker opened that much later after the first failure).
+@override_settings(SCHEDULER_BREAKER_FAILURES=5, SCHEDULER_BREAKER_COOLDOWN=3)
 @pytest.mark.embedded
 def test_a_failing_host_opens_its_breaker_holds_its_runs_without_tries_and_they_succeed_when_it_recovers(
     target: LoopbackTarget,
