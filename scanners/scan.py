@@ -589,7 +589,7 @@ def _misfire(run: Run, now: datetime, result: ScanResult) -> bool:
         result.skipped += 1
     events.record_many(found, runs={run.pk: run})
     _skip_times(job, decision.skipped_times, now, result)
-    if decision.run_late and not decision.skipped_times and job.misfire == Job.Misfire.RUN_ALL:
+    if job.misfire == Job.Misfire.RUN_ALL:
         # Every missed time runs in turn: an excluded one gets its row when the runs
         # reach it (runs.nextrun). Written now, those rows were the job's latest, and
         # its next run came after them, past every time between (each one lost).
